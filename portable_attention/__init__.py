@@ -1,0 +1,11 @@
+"""portable_attention: one scaled dot-product attention for NumPy, CuPy, PyTorch and JAX.
+
+Public names only; see :func:`attend`, :func:`plan` and :mod:`portable_attention.masks`.
+"""
+
+from portable_attention import masks
+from portable_attention._attention import attend, plan
+from portable_attention._plan import Plan
+
+__all__ = ["Plan", "attend", "masks", "plan"]
+__version__ = "0.1.0"

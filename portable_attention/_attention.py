@@ -1,0 +1,129 @@
+"""``attend()`` and ``plan()``: validate, plan, run the chosen path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from portable_attention import _core
+from portable_attention._plan import Plan, choose
+from portable_attention._validate import Call, check_implementation, validate_call
+from portable_attention.backends import adapter
+
+
+def attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    causal: bool | str = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    rng: Any = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    implementation: str = "auto",
+) -> Any:
+    """Scaled dot-product attention on any array-API framework's arrays.
+
+    Computes ``softmax(mask(bias + softcap(scale * q @ k^T))) @ v`` in the namespace
+    of the inputs, on their device, differentiable by that framework's autodiff.
+
+    Parameters
+    ----------
+    q : array ``[..., Hq, Lq, Dk]`` (or ``[Lq, Dk]``)
+        Queries.
+    k : array ``[..., Hk, Lk, Dk]``
+        Keys; ``Hq % Hk == 0`` gives grouped-query attention (``Hk == 1``: multi-query)
+        without copying K/V per head.
+    v : array ``[..., Hk, Lk, Dv]``
+        Values; ``Dv`` may differ from ``Dk``.
+    mask : bool array, optional
+        Broadcastable to ``[..., Hq, Lq, Lk]``; **True means "may attend"** (as torch
+        SDPA and ``jax.nn.dot_product_attention``, the opposite of
+        ``nn.MultiheadAttention``).
+    bias : float array, optional
+        Added to the scores (after ``softcap``); ``-inf`` entries act as a mask.
+    causal : bool or {"lower_right", "upper_left"}
+        **True means "lower_right"**: query i sees keys ``j <= i + (Lk - Lq)`` (the
+        KV-cache convention). "upper_left": ``j <= i``. Both agree when ``Lq == Lk``.
+    window : int or (left, right), optional
+        Keep keys within ``left`` before and ``right`` after the query's aligned
+        position (alignment as ``causal``; lower-right unless "upper_left"). ``None``
+        for a side leaves it unbounded. Combines with ``causal``.
+    scale : float, optional
+        Score scale; default ``1 / sqrt(Dk)``.
+    softcap : float, optional
+        Scores become ``softcap * tanh(scores / softcap)``.
+    dropout : float
+        Dropout probability on the attention weights, in ``[0, 1)`` (inverted dropout).
+    rng : framework RNG, optional
+        ``numpy.random.Generator``, ``torch.Generator``, JAX PRNG key (required on JAX
+        when ``dropout > 0``), or a CuPy generator.
+    return_weights, return_lse : bool
+        Also return the softmax weights ``[..., Hq, Lq, Lk]`` (before dropout) and/or
+        the natural-log logsumexp ``[..., Hq, Lq]`` of the masked scores.
+    implementation : {"auto", "portable", "fused"}
+        Which path runs; see :func:`plan`.
+
+    Returns
+    -------
+    out, or a tuple ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``.
+        ``out [..., Hq, Lq, Dv]`` and ``weights`` in the input dtype; ``lse`` in the
+        compute dtype (float32 for float16/bfloat16 inputs). Query rows with no key to
+        attend give ``out = 0``, ``weights = 0``, ``lse = -inf`` and zero gradients.
+
+    Raises
+    ------
+    TypeError
+        Arrays of different frameworks, non-array or non-floating inputs, mismatched
+        dtypes, a non-boolean ``mask``, an ``rng`` of the wrong type.
+    ValueError
+        Mismatched shapes, ranks, heads or devices, bad option values, or
+        ``implementation="fused"`` where no fused kernel applies.
+    """
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        dropout=dropout,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
+    choose(call, check_implementation(implementation))
+    keep = None
+    if call.dropout > 0:
+        keep = adapter(call.backend).keep_mask(rng, call.dropout, call.xp, call.device)
+    out, weights, lse = _core.dense(call, q, k, v, mask, bias, keep)
+    return _pack(call, out, weights, lse)
+
+
+def _pack(call: Call, out: Any, weights: Any, lse: Any) -> Any:
+    if call.return_weights and call.return_lse:
+        return out, weights, lse
+    if call.return_weights:
+        return out, weights
+    if call.return_lse:
+        return out, lse
+    return out
+
+
+def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
+    """Which path ``attend(q, k, v, **kwargs)`` would take, and why, without running it.
+
+    Takes the same arguments as :func:`attend` and validates them the same way.
+    ``implementation="fused"`` raises ``ValueError`` with the reason where no fused
+    kernel applies.
+    """
+    implementation = check_implementation(kwargs.pop("implementation", "auto"))
+    kwargs.pop("rng", None)
+    return choose(validate_call(q, k, v, **kwargs), implementation)

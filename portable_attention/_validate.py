@@ -1,0 +1,408 @@
+"""Every argument check of the package and every error message, in one place.
+
+`validate_call` turns the raw arguments of :func:`portable_attention.attend` into a
+:class:`Call`: the array namespace, the shapes, dtypes and the normalised options. It
+looks only at shapes, dtypes, types and Python option values, never at array data, so
+it runs unchanged under ``jax.jit`` and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+CAUSAL_ALIGNMENTS = ("lower_right", "upper_left")
+IMPLEMENTATIONS = ("auto", "portable", "fused")
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call of ``attend``: everything but the arrays themselves."""
+
+    xp: Any
+    backend: str
+    device: Any
+    dtype: Any
+    compute_dtype: Any
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    mask_shape: tuple[int, ...] | None
+    bias_shape: tuple[int, ...] | None
+    causal: str | None
+    window: tuple[int | None, int | None] | None
+    scale: float
+    softcap: float | None
+    dropout: float
+    return_weights: bool
+    return_lse: bool
+
+    @property
+    def align(self) -> str:
+        """The alignment of causal and window masks: upper-left only when asked for."""
+        return "upper_left" if self.causal == "upper_left" else "lower_right"
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """``(Hq, Hk)``; 2-D inputs have one implicit head."""
+        if len(self.q_shape) == 2:
+            return 1, 1
+        return self.q_shape[-3], self.k_shape[-3]
+
+    def options(self) -> tuple[Any, ...]:
+        """The options that can change which path runs (the plan-cache key, with types)."""
+        return (
+            self.mask_shape is not None,
+            self.bias_shape is not None,
+            self.causal,
+            self.window,
+            self.softcap is not None,
+            self.dropout > 0,
+            self.return_weights,
+            self.return_lse,
+            self.heads[0] != self.heads[1],
+            self.q_shape[-2] != self.k_shape[-2],
+        )
+
+
+def _type_name(x: object) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _namespace_of(name: str, x: object) -> Any:
+    if not array_api_compat.is_array_api_obj(x) or isinstance(x, (bool, int, float, complex)):
+        msg = (
+            f"`{name}` must be an array of your framework (NumPy, CuPy, PyTorch, JAX or "
+            f"another array-API library), got {_type_name(x)}; convert it first, e.g. "
+            f"`xp.asarray({name})`."
+        )
+        raise TypeError(msg)
+    try:
+        return array_api_compat.array_namespace(x)
+    except TypeError as err:  # an array type array-api-compat cannot wrap
+        msg = f"`{name}` of type {_type_name(x)} is not a supported array type: {err}"
+        raise TypeError(msg) from None
+
+
+def _backend_name(x: object) -> str:
+    if array_api_compat.is_numpy_array(x):
+        return "numpy"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    if array_api_compat.is_jax_array(x):
+        return "jax"
+    if array_api_compat.is_cupy_array(x):
+        return "cupy"
+    return type(x).__module__.split(".")[0]
+
+
+def check_arrays(**arrays: Any) -> tuple[Any, Any]:
+    """Check that every given array (``None`` skipped) is an array of one framework on one
+    device; return ``(xp, device)``."""
+    present = {name: x for name, x in arrays.items() if x is not None}
+    first_name, first = next(iter(present.items()))
+    xp = _namespace_of(first_name, first)
+    for name, x in present.items():
+        if _namespace_of(name, x) is not xp:
+            msg = (
+                f"`{name}` is a {_type_name(x)} but `{first_name}` is a {_type_name(first)}: "
+                "all arrays passed to attend must come from one framework; convert them "
+                "first (e.g. `portable_attention.testing.to_backend` or "
+                "`xp.from_dlpack`)."
+            )
+            raise TypeError(msg)
+    device = array_api_compat.device(first)
+    for name, x in present.items():
+        dev = array_api_compat.device(x)
+        if device is not None and dev is not None and dev != device:
+            msg = (
+                f"`{name}` is on device {dev!r} but `{first_name}` is on {device!r}: move "
+                "all arrays to one device first."
+            )
+            raise ValueError(msg)
+    return xp, device
+
+
+def compute_dtype_for(xp: Any, dtype: Any) -> Any:
+    """The dtype scores, softmax and lse are computed in: float32 for 16-bit floats."""
+    return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
+
+
+def _check_dtypes(xp: Any, q: Any, k: Any, v: Any) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not xp.isdtype(x.dtype, "real floating"):
+            msg = (
+                f"`{name}` must have a real floating dtype (float16, bfloat16, float32, "
+                f"float64), got {x.dtype}; cast it with `xp.astype({name}, xp.float32)`."
+            )
+            raise TypeError(msg)
+    if not (q.dtype == k.dtype == v.dtype):
+        msg = (
+            "`q`, `k` and `v` must share one dtype, got "
+            f"q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them to one dtype first "
+            "(nothing is cast silently)."
+        )
+        raise TypeError(msg)
+
+
+def _check_shapes(q: Any, k: Any, v: Any) -> None:
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    shapes = f"q {qs}, k {ks}, v {vs}"
+    if min(len(qs), len(ks), len(vs)) < 2:
+        msg = f"`q`, `k` and `v` need at least 2 dims ([L, D] or [..., H, L, D]), got {shapes}."
+        raise ValueError(msg)
+    if not (len(qs) == len(ks) == len(vs)):
+        msg = f"`q`, `k` and `v` must have the same number of dims, got {shapes}."
+        raise ValueError(msg)
+    if not (qs[:-3] == ks[:-3] == vs[:-3]):
+        msg = f"`q`, `k` and `v` must have equal leading (batch) dims, got {shapes}."
+        raise ValueError(msg)
+    if len(qs) >= 3:
+        hq, hk, hv = qs[-3], ks[-3], vs[-3]
+        if hk != hv:
+            msg = f"`k` and `v` must have the same number of heads (axis -3), got {shapes}."
+            raise ValueError(msg)
+        if hk == 0 or hq % hk != 0:
+            msg = (
+                f"the query heads of `q` ({hq}) must be a multiple of the key/value heads "
+                f"of `k` ({hk}) for grouped-query attention (axis -3), got {shapes}."
+            )
+            raise ValueError(msg)
+    if qs[-1] != ks[-1]:
+        msg = f"`q` and `k` must have the same feature size Dk (last axis), got {shapes}."
+        raise ValueError(msg)
+    if ks[-2] != vs[-2]:
+        msg = f"`k` and `v` must have the same sequence length Lk (axis -2), got {shapes}."
+        raise ValueError(msg)
+
+
+def _broadcasts(small: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    if len(small) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(small), reversed(target), strict=False))
+
+
+def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tuple) -> None:
+    if mask is not None:
+        if not xp.isdtype(mask.dtype, "bool"):
+            msg = (
+                f"`mask` must be boolean (True = may attend), got dtype {mask.dtype}. For an "
+                "additive float mask (0 / -inf) pass it as `bias=` instead; for a 0/1 mask "
+                "use `mask=(m != 0)`."
+            )
+            raise TypeError(msg)
+        if not _broadcasts(_shape(mask), score_shape):
+            msg = (
+                f"`mask` of shape {_shape(mask)} does not broadcast to the score shape "
+                f"{score_shape} ([..., Hq, Lq, Lk])."
+            )
+            raise ValueError(msg)
+    if bias is not None:
+        allowed = (dtype, compute_dtype_for(xp, dtype))
+        if not xp.isdtype(bias.dtype, "real floating") or bias.dtype not in allowed:
+            msg = (
+                f"`bias` must be an additive float array of the inputs' dtype {dtype} or "
+                f"the compute dtype {allowed[1]}, got {bias.dtype}; for a boolean mask use "
+                "`mask=`."
+            )
+            raise TypeError(msg)
+        if not _broadcasts(_shape(bias), score_shape):
+            msg = (
+                f"`bias` of shape {_shape(bias)} does not broadcast to the score shape "
+                f"{score_shape} ([..., Hq, Lq, Lk])."
+            )
+            raise ValueError(msg)
+
+
+def normalize_causal(causal: object) -> str | None:
+    """``False -> None``, ``True -> "lower_right"``, a known alignment string -> itself."""
+    if causal is False or causal is None:
+        return None
+    if causal is True:
+        return "lower_right"
+    if isinstance(causal, str):
+        if causal in CAUSAL_ALIGNMENTS:
+            return causal
+        msg = f"`causal` must be True, False, 'lower_right' or 'upper_left', got {causal!r}."
+        raise ValueError(msg)
+    msg = (
+        "`causal` must be True, False, 'lower_right' or 'upper_left', "
+        f"got {causal!r} of type {_type_name(causal)}."
+    )
+    raise TypeError(msg)
+
+
+def normalize_align(align: object) -> str:
+    """Check the ``align=`` of the mask builders."""
+    if align not in CAUSAL_ALIGNMENTS:
+        msg = f"`align` must be 'lower_right' or 'upper_left', got {align!r}."
+        raise ValueError(msg)
+    return str(align)
+
+
+def normalize_window(window: object) -> tuple[int | None, int | None] | None:
+    """``None``, an int ``w`` (means ``(w, w)``) or ``(left, right)`` of ints >= 0 / None."""
+    if window is None:
+        return None
+    sides: Sequence[object]
+    if isinstance(window, int) and not isinstance(window, bool):
+        sides = (window, window)
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        sides = window
+    else:
+        msg = (
+            "`window` must be an int w (meaning (w, w)) or a pair (left, right) of ints >= 0 "
+            f"or None (unbounded), got {window!r}."
+        )
+        raise ValueError(msg)
+    for side in sides:
+        ok_int = isinstance(side, int) and not isinstance(side, bool) and side >= 0
+        if side is not None and not ok_int:
+            msg = (
+                "`window` sides must be ints >= 0 or None (unbounded), "
+                f"got {window!r}; a negative window keeps no key."
+            )
+            raise ValueError(msg)
+    left, right = sides
+    return (left, right)  # type: ignore[return-value]
+
+
+def _real_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
+        except (TypeError, ValueError):
+            msg = f"`{name}` must be a Python float, got {value!r} of type {_type_name(value)}."
+            raise TypeError(msg) from None
+    return float(value)
+
+
+def _check_options(
+    scale: object, softcap: object, dropout: object, dk: int
+) -> tuple[float, float | None, float]:
+    if scale is None:
+        scale_f = 1.0 / math.sqrt(dk) if dk > 0 else 1.0
+    else:
+        scale_f = _real_number("scale", scale)
+        if not math.isfinite(scale_f):
+            msg = f"`scale` must be finite, got {scale_f!r}."
+            raise ValueError(msg)
+    softcap_f = None
+    if softcap is not None:
+        softcap_f = _real_number("softcap", softcap)
+        if not (softcap_f > 0 and math.isfinite(softcap_f)):
+            msg = f"`softcap` must be a finite number > 0 (or None), got {softcap!r}."
+            raise ValueError(msg)
+    dropout_f = _real_number("dropout", dropout)
+    if not 0.0 <= dropout_f < 1.0:
+        msg = f"`dropout` must be in [0, 1), got {dropout!r}."
+        raise ValueError(msg)
+    return scale_f, softcap_f, dropout_f
+
+
+def check_implementation(implementation: object) -> str:
+    """``"auto"``, ``"portable"`` or ``"fused"``."""
+    if implementation not in IMPLEMENTATIONS:
+        msg = f"`implementation` must be 'auto', 'portable' or 'fused', got {implementation!r}."
+        raise ValueError(msg)
+    return str(implementation)
+
+
+def validate_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    causal: object = False,
+    window: object = None,
+    scale: object = None,
+    softcap: object = None,
+    dropout: object = 0.0,
+    return_weights: bool = False,
+    return_lse: bool = False,
+) -> Call:
+    """Check every argument of ``attend``; return the normalised :class:`Call`."""
+    xp, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
+    _check_dtypes(xp, q, k, v)
+    _check_shapes(q, k, v)
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    score_shape = (*qs[:-1], ks[-2])
+    _check_mask_bias(xp, mask, bias, q.dtype, score_shape)
+    scale_f, softcap_f, dropout_f = _check_options(scale, softcap, dropout, qs[-1])
+    return Call(
+        xp=xp,
+        backend=_backend_name(q),
+        device=device,
+        dtype=q.dtype,
+        compute_dtype=compute_dtype_for(xp, q.dtype),
+        q_shape=qs,
+        k_shape=ks,
+        v_shape=vs,
+        mask_shape=None if mask is None else _shape(mask),
+        bias_shape=None if bias is None else _shape(bias),
+        causal=normalize_causal(causal),
+        window=normalize_window(window),
+        scale=scale_f,
+        softcap=softcap_f,
+        dropout=dropout_f,
+        return_weights=bool(return_weights),
+        return_lse=bool(return_lse),
+    )
+
+
+def rng_type_error(backend: str, expected: str, rng: object) -> TypeError:
+    """The error for an ``rng`` of the wrong type for the arrays' framework."""
+    msg = (
+        f"`rng` for {backend} arrays must be {expected}, got {_type_name(rng)}; "
+        "pass the framework's own random generator."
+    )
+    return TypeError(msg)
+
+
+def missing_rng_error(backend: str, expected: str) -> ValueError:
+    """The error for dropout without the ``rng`` a framework needs."""
+    msg = f"`dropout` > 0 on {backend} arrays needs `rng=`: pass {expected}."
+    return ValueError(msg)
+
+
+def fused_unavailable_error(reason: str) -> ValueError:
+    """The error of ``implementation="fused"`` where no fused path applies."""
+    msg = f'`implementation="fused"` cannot run this call: {reason}'
+    return ValueError(msg)
+
+
+def check_mask_array(name: str, x: Any, *, integer: bool = False) -> Any:
+    """Namespace of a mask-builder argument; check it is an array (of integers if asked)."""
+    xp = _namespace_of(name, x)
+    if integer and not xp.isdtype(x.dtype, "integral"):
+        msg = f"`{name}` must be an integer array, got dtype {x.dtype}."
+        raise TypeError(msg)
+    return xp
+
+
+def check_length(name: str, value: object) -> int:
+    """A sequence length for the mask builders: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        msg = f"`{name}` must be an int >= 0, got {value!r}."
+        raise ValueError(msg)
+    return value
+
+
+def check_mask_shapes(name_a: str, a: Any, name_b: str, b: Any, axes: str) -> None:
+    """Mask-builder inputs whose leading (batch) shapes must agree."""
+    if _shape(a)[:-1] != _shape(b)[:-1]:
+        msg = (
+            f"`{name_a}` {_shape(a)} and `{name_b}` {_shape(b)} must have the same {axes}."
+        )
+        raise ValueError(msg)
