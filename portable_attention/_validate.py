@@ -370,6 +370,15 @@ def rng_type_error(backend: str, expected: str, rng: object) -> TypeError:
     return TypeError(msg)
 
 
+def rng_device_error(rng_device: object, device: object) -> ValueError:
+    """The error for a generator on another device than the arrays."""
+    msg = (
+        f"`rng` draws on {rng_device} but the arrays are on {device}; make a generator "
+        f"on the arrays' device, e.g. `torch.Generator(device={str(device)!r})`."
+    )
+    return ValueError(msg)
+
+
 def missing_rng_error(backend: str, expected: str) -> ValueError:
     """The error for dropout without the ``rng`` a framework needs."""
     msg = f"`dropout` > 0 on {backend} arrays needs `rng=`: pass {expected}."
@@ -402,7 +411,5 @@ def check_length(name: str, value: object) -> int:
 def check_mask_shapes(name_a: str, a: Any, name_b: str, b: Any, axes: str) -> None:
     """Mask-builder inputs whose leading (batch) shapes must agree."""
     if _shape(a)[:-1] != _shape(b)[:-1]:
-        msg = (
-            f"`{name_a}` {_shape(a)} and `{name_b}` {_shape(b)} must have the same {axes}."
-        )
+        msg = f"`{name_a}` {_shape(a)} and `{name_b}` {_shape(b)} must have the same {axes}."
         raise ValueError(msg)

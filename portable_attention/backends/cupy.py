@@ -8,6 +8,7 @@ import cupy
 
 from portable_attention import _validate
 
+NAME = "CuPy"
 RNG = "a cupy.random.Generator or cupy.random.RandomState (or None for CuPy's global RNG)"
 
 
@@ -20,7 +21,7 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     elif isinstance(rng, cupy.random.RandomState):
         uniform = rng.random_sample
     else:
-        raise _validate.rng_type_error("CuPy", RNG, rng)
+        raise _validate.rng_type_error(NAME, RNG, rng)
 
     def draw(shape: tuple[int, ...]) -> Any:
         with device:

@@ -8,6 +8,7 @@ import jax
 
 from portable_attention import _validate
 
+NAME = "JAX"
 RNG = "a JAX PRNG key (`jax.random.key(0)` or `jax.random.PRNGKey(0)`)"
 
 
@@ -22,9 +23,9 @@ def _is_key(rng: Any) -> bool:
 def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     """Keep mask from ``jax.random.bernoulli``; jit-, vmap- and grad-safe."""
     if rng is None:
-        raise _validate.missing_rng_error("JAX", RNG)
+        raise _validate.missing_rng_error(NAME, RNG)
     if not _is_key(rng):
-        raise _validate.rng_type_error("JAX", RNG, rng)
+        raise _validate.rng_type_error(NAME, RNG, rng)
 
     def draw(shape: tuple[int, ...]) -> Any:
         return jax.random.bernoulli(rng, 1.0 - p, shape)
