@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from portable_attention import _core
-from portable_attention._plan import Plan, choose
+from portable_attention._plan import CHUNKED, Plan, choose
 from portable_attention._validate import Call, check_implementation, validate_call
 from portable_attention.backends import adapter
 
@@ -25,6 +25,7 @@ def attend(
     rng: Any = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    chunk_size: int | None = None,
     implementation: str = "auto",
 ) -> Any:
     """Scaled dot-product attention on any array-API framework's arrays.
@@ -66,8 +67,15 @@ def attend(
     return_weights, return_lse : bool
         Also return the softmax weights ``[..., Hq, Lq, Lk]`` (before dropout) and/or
         the natural-log logsumexp ``[..., Hq, Lq]`` of the masked scores.
+    chunk_size : int, optional
+        Query/key block length of the memory-efficient chunked path (online softmax,
+        peak memory ``O(Lq * Dv + chunk_size**2)`` per head); asks for that path.
+        Without it ``auto`` chunks by itself when the dense scores would be large.
+        Not with ``return_weights``.
     implementation : {"auto", "portable", "fused"}
-        Which path runs; see :func:`plan`.
+        ``"auto"`` takes the framework's fused kernel where its result matches this
+        contract, else the portable path; ``"portable"`` never takes a fused kernel;
+        ``"fused"`` raises where none applies. See :func:`plan`.
 
     Returns
     -------
@@ -96,13 +104,21 @@ def attend(
         scale=scale,
         softcap=softcap,
         dropout=dropout,
+        rng=rng,
+        chunk_size=chunk_size,
         return_weights=return_weights,
         return_lse=return_lse,
     )
-    choose(call, check_implementation(implementation))
+    path = choose(call, check_implementation(implementation)).path
+    backend = adapter(call.backend)
+    if path.startswith("fused"):
+        return backend.run_fused(call, q, k, v, mask, bias)
     keep = None
     if call.dropout > 0:
-        keep = adapter(call.backend).keep_mask(rng, call.dropout, call.xp, call.device)
+        keep = backend.keep_mask(rng, call.dropout, call.xp, call.device)
+    if path == CHUNKED:
+        out, lse = _core.chunked(call, q, k, v, mask, bias, keep)
+        return _pack(call, out, None, lse)
     out, weights, lse = _core.dense(call, q, k, v, mask, bias, keep)
     return _pack(call, out, weights, lse)
 
@@ -125,5 +141,4 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
     kernel applies.
     """
     implementation = check_implementation(kwargs.pop("implementation", "auto"))
-    kwargs.pop("rng", None)
     return choose(validate_call(q, k, v, **kwargs), implementation)

@@ -1,14 +1,20 @@
 """The array-API implementation of the contract: the spec in code.
 
 Only array-API calls on the namespace of the inputs: no framework code, no in-place
-writes, no boolean indexing, no Python branching on data. Grouped-query heads are
-computed by splitting the query heads into ``[Hk, G]`` and broadcasting K/V over
-``G``, so K/V are never copied per head.
+writes, no boolean indexing, no Python branching on data (only on static shapes).
+Grouped-query heads are computed by splitting the query heads into ``[Hk, G]`` and
+broadcasting K/V over ``G``, so K/V are never copied per head.
+
+Two paths: :func:`dense` materialises the ``[..., Lq, Lk]`` scores; :func:`chunked`
+walks query and key blocks with an online softmax (running max and sum), so its peak
+memory is ``O(Lq * Dv + block**2)`` per head instead of ``O(Lq * Lk)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from portable_attention import masks as _masks
@@ -16,6 +22,24 @@ from portable_attention._validate import Call
 
 #: ``keep_mask(shape) -> bool array``: the dropout keep mask, from the framework's RNG.
 KeepMask = Callable[[tuple[int, ...]], Any]
+
+#: Score-block budget of the chunked path, in elements over all batch and head dims.
+CHUNK_BUDGET = 1 << 23
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """q, k, v, mask and bias in the compute dtype, heads split as ``[..., Hk, G, L, D]``.
+
+    q is already multiplied by the scale (``Lq*Dk`` products instead of ``Lq*Lk``).
+    With no grouping (``G == 1``) the head axis is left as it is.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    mask: Any
+    bias: Any
 
 
 def _group_heads(xp: Any, x: Any, hk: int, group: int, *, kv: bool) -> Any:
@@ -40,14 +64,114 @@ def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int) -> An
     return xp.reshape(x, (*lead, *heads, lq, lk))
 
 
-def _empty_keys(xp: Any, call: Call) -> tuple[Any, Any, Any]:
+def _operands(call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> _Operands:
+    xp, ct = call.xp, call.compute_dtype
+    if len(call.q_shape) == 2:  # one implicit head
+        q, k, v = (xp.reshape(x, (1, *x.shape)) for x in (q, k, v))
+    hk = k.shape[-3]
+    group = q.shape[-3] // hk
+    ndim = q.ndim
+    qc = xp.astype(q, ct) * call.scale
+    if bias is not None:
+        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct)
+    if mask is not None:
+        mask = _group_scores_operand(xp, mask, ndim, hk, group)
+    return _Operands(
+        q=_group_heads(xp, qc, hk, group, kv=False),
+        k=_group_heads(xp, xp.astype(k, ct), hk, group, kv=True),
+        v=_group_heads(xp, xp.astype(v, ct), hk, group, kv=True),
+        mask=mask,
+        bias=bias,
+    )
+
+
+def _window_sides(call: Call) -> tuple[int | None, int | None]:
+    left, right = call.window if call.window is not None else (None, None)
+    if call.causal is not None:
+        right = 0  # causal never looks past the aligned position, whatever the window
+    return left, right
+
+
+def structural_mask(
+    call: Call,
+    *,
+    device: Any = None,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> Any:
+    """The mask of ``causal`` and ``window`` on ``[Lq, Lk]`` (or a block); None if neither."""
+    if call.causal is None and call.window is None:
+        return None
+    left, right = _window_sides(call)
+    return _masks.band(
+        call.xp,
+        call.q_shape[-2],
+        call.k_shape[-2],
+        left=left,
+        right=right,
+        align=call.align,
+        device=device,
+        rows=rows,
+        cols=cols,
+    )
+
+
+def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+    """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
+    if call.causal is None and call.window is None:
+        return False
+    left, right = _window_sides(call)
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    offset = lk - lq if call.align == "lower_right" else 0
+    nearest = cols[0] - (rows[1] - 1) - offset  # smallest key-minus-aligned-query distance
+    farthest = (cols[1] - 1) - rows[0] - offset
+    return (left is not None and farthest < -left) or (right is not None and nearest > right)
+
+
+def _block(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
+    """The ``rows x cols`` block of a broadcastable mask/bias (size-1 axes kept)."""
+    if x is None:
+        return None
+    r = slice(*rows) if x.shape[-2] != 1 else slice(None)
+    c = slice(*cols) if x.shape[-1] != 1 else slice(None)
+    return x[..., r, c]
+
+
+def _masked_scores(
+    call: Call, ops: _Operands, rows: tuple[int, int], cols: tuple[int, int], *, whole: bool
+) -> Any:
+    """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, then ``-inf`` where masked."""
+    xp = call.xp
+    qb = ops.q if whole else ops.q[..., rows[0] : rows[1], :]
+    kb = ops.k if whole else ops.k[..., cols[0] : cols[1], :]
+    s = xp.matmul(qb, xp.matrix_transpose(kb))
+    if call.softcap is not None:
+        s = call.softcap * xp.tanh(s / call.softcap)
+    if ops.bias is not None:
+        s = s + (ops.bias if whole else _block(ops.bias, rows, cols))
+    allowed = structural_mask(call, device=call.device, rows=rows, cols=cols)
+    if ops.mask is not None:
+        user = ops.mask if whole else _block(ops.mask, rows, cols)
+        allowed = user if allowed is None else (user & allowed)
+    if allowed is not None:
+        s = xp.where(allowed, s, -xp.inf)
+    return s
+
+
+def _empty_keys(call: Call) -> tuple[Any, Any, Any]:
     """Lk == 0: every row is fully masked (a static-shape case, decided without data)."""
-    lead_q = call.q_shape[:-1]
-    dev = call.device
+    xp, lead_q, dev = call.xp, call.q_shape[:-1], call.device
     out = xp.zeros((*lead_q, call.v_shape[-1]), dtype=call.dtype, device=dev)
     weights = xp.zeros((*lead_q, 0), dtype=call.dtype, device=dev)
     lse = xp.full(lead_q, -xp.inf, dtype=call.compute_dtype, device=dev)
     return out, weights, lse
+
+
+def _finish(call: Call, out: Any, lse: Any) -> tuple[Any, Any]:
+    """Grouped ``[..., Hk, G, Lq, Dv]`` results back to the caller's shapes and dtype."""
+    xp = call.xp
+    out = xp.astype(xp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1])), call.dtype)
+    return out, xp.reshape(lse, call.q_shape[:-1])
 
 
 def dense(
@@ -64,48 +188,18 @@ def dense(
     Returns ``(out, weights, lse)``: ``out [..., Hq, Lq, Dv]`` and ``weights`` (before
     dropout) in the input dtype, ``lse [..., Hq, Lq]`` in the compute dtype.
     """
-    xp = call.xp
     if call.k_shape[-2] == 0:
-        return _empty_keys(xp, call)
-    ct = call.compute_dtype
-    two_d = len(call.q_shape) == 2
-    if two_d:  # one implicit head
-        q, k, v = (xp.reshape(x, (1, *x.shape)) for x in (q, k, v))
-    hq, hk = (q.shape[-3], k.shape[-3])
-    group = hq // hk
-    ndim = q.ndim
-
-    # Scale q rather than the scores: Lq*Dk multiplies instead of Lq*Lk.
-    qc = xp.astype(q, ct) * call.scale
-    kc, vc = xp.astype(k, ct), xp.astype(v, ct)
-    qg = _group_heads(xp, qc, hk, group, kv=False)
-    kg = _group_heads(xp, kc, hk, group, kv=True)
-    vg = _group_heads(xp, vc, hk, group, kv=True)
-
-    s = xp.matmul(qg, xp.matrix_transpose(kg))  # [..., Hk, (G,) Lq, Lk]
-    if call.softcap is not None:
-        s = call.softcap * xp.tanh(s / call.softcap)
-    if bias is not None:
-        s = s + xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct)
-
-    allowed = structural_mask(call, device=call.device)
-    if mask is not None:
-        user = _group_scores_operand(xp, mask, ndim, hk, group)
-        allowed = user if allowed is None else (user & allowed)
-    if allowed is not None:
-        s = xp.where(allowed, s, -xp.inf)
-
+        return _empty_keys(call)
+    xp = call.xp
+    ops = _operands(call, q, k, v, mask, bias)
+    grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
+    s = _masked_scores(call, ops, *grid, whole=True)
     weights, lse = _softmax_lse(xp, s)
-
     p = weights
     if keep_mask is not None:
         p = xp.where(keep_mask(tuple(s.shape)), p / (1.0 - call.dropout), 0.0)
-    out = xp.matmul(p, vg)
-
-    out_shape = (*call.q_shape[:-1], call.v_shape[-1])
-    out = xp.astype(xp.reshape(out, out_shape), call.dtype)
+    out, lse = _finish(call, xp.matmul(p, ops.v), lse)
     weights = xp.astype(xp.reshape(weights, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype)
-    lse = xp.reshape(lse, call.q_shape[:-1])
     return out, weights, lse
 
 
@@ -121,24 +215,63 @@ def _softmax_lse(xp: Any, s: Any) -> tuple[Any, Any]:
     denom = xp.sum(e, axis=-1, keepdims=True)
     has_key = denom > 0
     denom_safe = xp.where(has_key, denom, 1.0)
-    weights = e / denom_safe
     lse = xp.where(has_key, xp.log(denom_safe) + m_safe, -xp.inf)
-    return weights, lse[..., 0]
+    return e / denom_safe, lse[..., 0]
 
 
-def structural_mask(call: Call, *, device: Any = None) -> Any:
-    """The ``[Lq, Lk]`` mask of ``causal`` and ``window`` (None when neither is set)."""
-    if call.causal is None and call.window is None:
-        return None
-    left, right = call.window if call.window is not None else (None, None)
-    if call.causal is not None:
-        right = 0  # causal never looks ahead of the aligned position, whatever the window
-    return _masks.band(
-        call.xp,
-        call.q_shape[-2],
-        call.k_shape[-2],
-        left=left,
-        right=right,
-        align=call.align,
-        device=device,
-    )
+def auto_chunk(call: Call) -> int:
+    """Block length for the chunked path: blocks of ``CHUNK_BUDGET`` scores in all."""
+    heads_and_batch = math.prod(call.q_shape[:-2])
+    side = math.isqrt(max(CHUNK_BUDGET // max(heads_and_batch, 1), 1))
+    return max(16, min(1024, 1 << max(side.bit_length() - 1, 0)))
+
+
+def chunked(
+    call: Call,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    bias: Any = None,
+    keep_mask: KeepMask | None = None,
+) -> tuple[Any, Any]:
+    """Online-softmax attention over query and key blocks; returns ``(out, lse)``.
+
+    Blocks that ``causal``/``window`` mask entirely are skipped without computing them.
+    """
+    if call.k_shape[-2] == 0:
+        out, _, lse = _empty_keys(call)
+        return out, lse
+    xp = call.xp
+    ops = _operands(call, q, k, v, mask, bias)
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    size = call.chunk_size or auto_chunk(call)
+    out_blocks, lse_blocks = [], []
+    for q0 in range(0, lq, size):
+        rows = (q0, min(q0 + size, lq))
+        lead = (*ops.q.shape[:-2], rows[1] - rows[0])
+        m = xp.full((*lead, 1), -xp.inf, dtype=call.compute_dtype, device=call.device)
+        total = xp.zeros((*lead, 1), dtype=call.compute_dtype, device=call.device)
+        acc = xp.zeros((*lead, call.v_shape[-1]), dtype=call.compute_dtype, device=call.device)
+        for k0 in range(0, lk, size):
+            cols = (k0, min(k0 + size, lk))
+            if _block_is_empty(call, rows, cols):
+                continue
+            s = _masked_scores(call, ops, rows, cols, whole=False)
+            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+            m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
+            e = xp.exp(s - m_safe)
+            rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
+            total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
+            if keep_mask is not None:
+                e = xp.where(keep_mask(tuple(s.shape)), e / (1.0 - call.dropout), 0.0)
+            acc = rescale * acc + xp.matmul(e, ops.v[..., cols[0] : cols[1], :])
+            m = m_new
+        has_key = total > 0
+        total_safe = xp.where(has_key, total, 1.0)
+        m_safe = xp.where(xp.isfinite(m), m, 0.0)
+        out_blocks.append(acc / total_safe)
+        lse_blocks.append(xp.where(has_key, xp.log(total_safe) + m_safe, -xp.inf)[..., 0])
+    out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
+    lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
+    return _finish(call, out, lse)

@@ -1,16 +1,24 @@
 """Which path runs a call of ``attend`` and why: a :class:`Plan` with ``.path`` and ``.reason``.
 
-Decisions depend only on the array type, device, dtype and options, never on data, and
-are cached by that key.
+Decisions depend only on the array type, device, dtype and options (plus whether the
+dense score matrix would be large), never on data, and are cached by that key.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from portable_attention.backends import adapter
 from portable_attention._validate import Call, fused_unavailable_error
+
+#: Above this many bytes of dense scores, ``auto`` takes the chunked portable path.
+DENSE_LIMIT_BYTES = 256 << 20
+
+PORTABLE = "portable"
+CHUNKED = "portable:chunked"
 
 
 @dataclass(frozen=True)
@@ -20,43 +28,69 @@ class Plan:
     Attributes
     ----------
     path : str
-        ``"portable"``: the array-API implementation in ``_core``.
+        ``"fused:torch"``, ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's
+        fused kernel; ``"portable"``: the array-API implementation with the whole score
+        matrix; ``"portable:chunked"``: the array-API online-softmax over key/query blocks.
     reason : str
-        In words, why no faster path was taken (or why this one was).
+        In words, why this path and not a faster one.
     """
 
     path: str
     reason: str
 
 
-_NO_FUSED = {
-    "numpy": "NumPy has no fused attention kernel",
-}
-_NOT_YET = "no fused kernel is wired in for {backend} arrays yet"
-
 _cache: dict[tuple[Any, ...], Plan] = {}
 _lock = threading.Lock()
 
 
-def _key(call: Call, implementation: str) -> tuple[Any, ...]:
-    return (call.backend, str(call.device), str(call.dtype), call.options(), implementation)
+def _dense_bytes(call: Call) -> int:
+    itemsize = 4 if call.compute_dtype == call.xp.float32 else 8
+    return math.prod(call.q_shape[:-1]) * call.k_shape[-2] * itemsize
+
+
+def _portable(call: Call, why: str) -> Plan:
+    if call.chunk_size is not None:
+        return Plan(CHUNKED, f"{why}; chunk_size={call.chunk_size} asks for the chunked path")
+    if call.return_weights:
+        return Plan(PORTABLE, f"{why}; return_weights needs the whole score matrix")
+    if _dense_bytes(call) > DENSE_LIMIT_BYTES:
+        return Plan(
+            CHUNKED,
+            f"{why}; the dense scores would take over {DENSE_LIMIT_BYTES >> 20} MiB, "
+            "so key/query blocks with an online softmax run",
+        )
+    return Plan(PORTABLE, why)
 
 
 def _decide(call: Call, implementation: str) -> Plan:
-    why = _NO_FUSED.get(call.backend, _NOT_YET.format(backend=call.backend))
     if implementation == "portable":
-        return Plan("portable", "implementation='portable' was asked for")
-    return Plan("portable", f"{why}; the portable array-API path runs")
+        return _portable(call, "implementation='portable' was asked for")
+    backend = adapter(call.backend)
+    reason = getattr(backend, "fused_reason", None)
+    if reason is None:
+        why = f"{call.backend} has no fused attention kernel"
+    else:
+        why = reason(call)
+        if why is None:
+            return Plan(backend.PATH, backend.FUSED_WHY)
+    return _portable(call, why)
 
 
 def choose(call: Call, implementation: str) -> Plan:
     """The plan for ``call``; ``implementation="fused"`` raises where none applies."""
-    key = _key(call, implementation)
+    key = (
+        call.backend,
+        str(call.device),
+        str(call.dtype),
+        call.options(),
+        _dense_bytes(call) > DENSE_LIMIT_BYTES,
+        implementation,
+    )
     plan = _cache.get(key)
     if plan is None:
         plan = _decide(call, implementation)
         with _lock:
-            _cache.setdefault(key, plan)
+            plan = _cache.setdefault(key, plan)
     if implementation == "fused" and not plan.path.startswith("fused"):
         raise fused_unavailable_error(plan.reason)
     return plan

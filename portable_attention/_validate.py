@@ -9,7 +9,8 @@ it runs unchanged under ``jax.jit`` and ``torch.compile``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ class Call:
     scale: float
     softcap: float | None
     dropout: float
+    seeded: bool
+    chunk_size: int | None
     return_weights: bool
     return_lse: bool
 
@@ -62,6 +65,8 @@ class Call:
             self.window,
             self.softcap is not None,
             self.dropout > 0,
+            self.seeded,
+            self.chunk_size,
             self.return_weights,
             self.return_lse,
             self.heads[0] != self.heads[1],
@@ -78,7 +83,14 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
-def _namespace_of(name: str, x: object) -> Any:
+# Namespace, backend name and device getter depend only on an array's type: cached by type.
+_TYPES: dict[type, tuple[Any, str, Callable[[Any], Any]]] = {}
+
+
+def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
+    info = _TYPES.get(type(x))
+    if info is not None:
+        return info
     if not array_api_compat.is_array_api_obj(x) or isinstance(x, (bool, int, float, complex)):
         msg = (
             f"`{name}` must be an array of your framework (NumPy, CuPy, PyTorch, JAX or "
@@ -87,10 +99,31 @@ def _namespace_of(name: str, x: object) -> Any:
         )
         raise TypeError(msg)
     try:
-        return array_api_compat.array_namespace(x)
+        xp = array_api_compat.array_namespace(x)
     except TypeError as err:  # an array type array-api-compat cannot wrap
         msg = f"`{name}` of type {_type_name(x)} is not a supported array type: {err}"
         raise TypeError(msg) from None
+    backend = _backend_name(x)
+    get_device = _DEVICE_GETTERS.get(backend, array_api_compat.device)
+    info = (xp, backend, get_device)
+    if not (backend == "jax" and type(x).__module__ == "numpy"):  # JAX's float0 gradients
+        _TYPES[type(x)] = info
+    return info
+
+
+def _cpu(x: Any) -> str:
+    return "cpu"
+
+
+_DEVICE_GETTERS: dict[str, Callable[[Any], Any]] = {
+    "numpy": _cpu,
+    "torch": operator.attrgetter("device"),
+    "cupy": operator.attrgetter("device"),
+}
+
+
+def _namespace_of(name: str, x: object) -> Any:
+    return _type_info(name, x)[0]
 
 
 def _backend_name(x: object) -> str:
@@ -105,31 +138,29 @@ def _backend_name(x: object) -> str:
     return type(x).__module__.split(".")[0]
 
 
-def check_arrays(**arrays: Any) -> tuple[Any, Any]:
+def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
     """Check that every given array (``None`` skipped) is an array of one framework on one
-    device; return ``(xp, device)``."""
-    present = {name: x for name, x in arrays.items() if x is not None}
-    first_name, first = next(iter(present.items()))
-    xp = _namespace_of(first_name, first)
-    for name, x in present.items():
-        if _namespace_of(name, x) is not xp:
+    device; return ``(xp, backend name, device)``."""
+    present = [(name, x) for name, x in arrays.items() if x is not None]
+    first_name, first = present[0]
+    xp, backend, get_device = _type_info(first_name, first)
+    device = get_device(first)
+    for name, x in present[1:]:
+        if _type_info(name, x)[0] is not xp:
             msg = (
                 f"`{name}` is a {_type_name(x)} but `{first_name}` is a {_type_name(first)}: "
                 "all arrays passed to attend must come from one framework; convert them "
-                "first (e.g. `portable_attention.testing.to_backend` or "
-                "`xp.from_dlpack`)."
+                "first (e.g. `xp.from_dlpack` or `xp.asarray`)."
             )
             raise TypeError(msg)
-    device = array_api_compat.device(first)
-    for name, x in present.items():
-        dev = array_api_compat.device(x)
+        dev = get_device(x)
         if device is not None and dev is not None and dev != device:
             msg = (
                 f"`{name}` is on device {dev!r} but `{first_name}` is on {device!r}: move "
                 "all arrays to one device first."
             )
             raise ValueError(msg)
-    return xp, device
+    return xp, backend, device
 
 
 def compute_dtype_for(xp: Any, dtype: Any) -> Any:
@@ -309,6 +340,21 @@ def _check_options(
     return scale_f, softcap_f, dropout_f
 
 
+def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        msg = f"`chunk_size` must be an int > 0 (or None for automatic), got {chunk_size!r}."
+        raise ValueError(msg)
+    if return_weights:
+        msg = (
+            "`chunk_size` asks for the chunked path, which never holds the whole weight "
+            "matrix: drop `return_weights=True` or `chunk_size`."
+        )
+        raise ValueError(msg)
+    return chunk_size
+
+
 def check_implementation(implementation: object) -> str:
     """``"auto"``, ``"portable"`` or ``"fused"``."""
     if implementation not in IMPLEMENTATIONS:
@@ -329,11 +375,13 @@ def validate_call(
     scale: object = None,
     softcap: object = None,
     dropout: object = 0.0,
+    rng: object = None,
+    chunk_size: object = None,
     return_weights: bool = False,
     return_lse: bool = False,
 ) -> Call:
     """Check every argument of ``attend``; return the normalised :class:`Call`."""
-    xp, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
+    xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
     _check_dtypes(xp, q, k, v)
     _check_shapes(q, k, v)
     qs, ks, vs = _shape(q), _shape(k), _shape(v)
@@ -342,7 +390,7 @@ def validate_call(
     scale_f, softcap_f, dropout_f = _check_options(scale, softcap, dropout, qs[-1])
     return Call(
         xp=xp,
-        backend=_backend_name(q),
+        backend=backend,
         device=device,
         dtype=q.dtype,
         compute_dtype=compute_dtype_for(xp, q.dtype),
@@ -356,6 +404,8 @@ def validate_call(
         scale=scale_f,
         softcap=softcap_f,
         dropout=dropout_f,
+        seeded=rng is not None,
+        chunk_size=_check_chunk_size(chunk_size, bool(return_weights)),
         return_weights=bool(return_weights),
         return_lse=bool(return_lse),
     )

@@ -40,17 +40,22 @@ def band(
     right: int | None,
     align: str,
     device: Any = None,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
 ) -> Any:
-    """``[Lq, Lk]`` mask keeping keys j with ``-left <= j - p(i) <= right``.
+    """Mask keeping keys j with ``-left <= j - p(i) <= right`` on the ``[Lq, Lk]`` grid.
 
     ``p(i)`` is query i's aligned key position: ``i + (Lk - Lq)`` for "lower_right",
-    ``i`` for "upper_left". ``None`` leaves a side unbounded. The core calls this too.
+    ``i`` for "upper_left". ``None`` leaves a side unbounded. ``rows``/``cols``
+    (``(start, stop)``) select a block of the grid; the core's chunked path uses them.
     """
+    q0, q1 = rows if rows is not None else (0, lq)
+    k0, k1 = cols if cols is not None else (0, lk)
     offset = lk - lq if align == "lower_right" else 0
-    i = xp.reshape(xp.arange(lq, device=device), (lq, 1))
-    j = xp.reshape(xp.arange(lk, device=device), (1, lk))
+    i = xp.reshape(xp.arange(q0, q1, device=device), (q1 - q0, 1))
+    j = xp.reshape(xp.arange(k0, k1, device=device), (1, k1 - k0))
     distance = j - (i + offset)
-    keep = xp.ones((lq, lk), dtype=xp.bool, device=device)
+    keep = xp.ones((q1 - q0, k1 - k0), dtype=xp.bool, device=device)
     if left is not None:
         keep = keep & (distance >= -left)
     if right is not None:

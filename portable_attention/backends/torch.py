@@ -1,15 +1,21 @@
-"""PyTorch: dropout from a ``torch.Generator`` (torch's global RNG when None)."""
+"""PyTorch: ``torch.nn.functional.scaled_dot_product_attention`` as the fused path, and
+dropout from a ``torch.Generator`` (torch's global RNG when None)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from portable_attention import _validate
+from portable_attention import _core, _validate
 
 NAME = "torch"
+PATH = "fused:torch"
 RNG = "a torch.Generator on the arrays' device (or None for torch's global RNG)"
+
+_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_HAS_GQA = _VERSION >= (2, 5)
 
 
 def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
@@ -23,3 +29,65 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
         return torch.rand(shape, generator=rng, device=device) >= p
 
     return draw
+
+
+def fused_reason(call: _validate.Call) -> str | None:
+    """Why SDPA cannot give the contract's answer for ``call`` (None: it can)."""
+    if call.return_weights:
+        return "return_weights needs the probabilities, which SDPA does not return"
+    if call.return_lse:
+        return "return_lse needs the logsumexp, which SDPA's public API does not return"
+    if call.softcap is not None:
+        return "SDPA has no softcap"
+    if call.dropout > 0 and call.seeded:
+        return (
+            "SDPA draws dropout from torch's global RNG and cannot take `rng` "
+            "(pass rng=None to use SDPA's dropout)"
+        )
+    if call.chunk_size is not None:
+        return "chunk_size asks for the portable chunked path"
+    if call.heads[0] != call.heads[1] and not _HAS_GQA:
+        return (
+            f"grouped-query heads need SDPA's enable_gqa (torch >= 2.5, have {torch.__version__})"
+        )
+    return None
+
+
+def _sdpa_mask(call: _validate.Call, mask: Any, bias: Any) -> tuple[Any, bool]:
+    """SDPA's single ``attn_mask`` (bool or additive) and ``is_causal`` for ``call``."""
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    causal_only = call.causal is not None and call.window is None
+    if causal_only and mask is None and bias is None and (lq == lk or call.align == "upper_left"):
+        return None, True  # SDPA's is_causal is upper-left: exact here
+    allowed = _core.structural_mask(call, device=call.device)
+    if mask is not None:
+        allowed = mask if allowed is None else (mask & allowed)
+    if bias is None:
+        return allowed, False
+    if allowed is None:
+        return bias, False
+    return torch.where(allowed, bias, float("-inf")), False
+
+
+def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
+    """``out`` from SDPA; rows with no key give 0 (SDPA's safe softmax on CPU, forced
+    elsewhere)."""
+    attn_mask, is_causal = _sdpa_mask(call, mask, bias)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=call.dropout,
+        is_causal=is_causal,
+        scale=call.scale,
+        **({"enable_gqa": True} if call.heads[0] != call.heads[1] else {}),
+    )
+    if attn_mask is not None and q.device.type != "cpu":
+        # Only SDPA's CPU kernels are verified to give 0 on rows with no key.
+        has_key = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        out = torch.where(has_key.any(dim=-1, keepdim=True), out, 0)
+    return out
+
+
+FUSED_WHY = "torch.nn.functional.scaled_dot_product_attention covers every option of this call"
