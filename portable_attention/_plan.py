@@ -11,8 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from portable_attention.backends import adapter
 from portable_attention._validate import Call, fused_unavailable_error
+from portable_attention.backends import adapter
 
 #: Above this many bytes of dense scores, ``auto`` takes the chunked portable path.
 DENSE_LIMIT_BYTES = 256 << 20
