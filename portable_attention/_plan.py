@@ -71,8 +71,11 @@ def _decide(call: Call, implementation: str) -> Plan:
         why = f"{call.backend} has no fused attention kernel"
     else:
         why = reason(call)
-        if why is None:
+        preferred = getattr(backend, "portable_preferred", None)
+        slower = None if preferred is None or implementation == "fused" else preferred(call)
+        if why is None and slower is None:
             return Plan(backend.PATH, backend.FUSED_WHY)
+        why = why or slower
     return _portable(call, why)
 
 
