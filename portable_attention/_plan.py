@@ -66,16 +66,15 @@ def _decide(call: Call, implementation: str) -> Plan:
     if implementation == "portable":
         return _portable(call, "implementation='portable' was asked for")
     backend = adapter(call.backend)
-    reason = getattr(backend, "fused_reason", None)
-    if reason is None:
-        why = f"{call.backend} has no fused attention kernel"
-    else:
-        why = reason(call)
+    fused_reason = getattr(backend, "fused_reason", None)
+    if fused_reason is None:
+        return _portable(call, f"{call.backend} has no fused attention kernel")
+    why = fused_reason(call)
+    if why is None and implementation == "auto":
         preferred = getattr(backend, "portable_preferred", None)
-        slower = None if preferred is None or implementation == "fused" else preferred(call)
-        if why is None and slower is None:
-            return Plan(backend.PATH, backend.FUSED_WHY)
-        why = why or slower
+        why = None if preferred is None else preferred(call)
+    if why is None:
+        return Plan(backend.PATH, backend.FUSED_WHY)
     return _portable(call, why)
 
 
