@@ -113,6 +113,8 @@ def attend(
     backend = adapter(call.backend)
     if path.startswith("fused"):
         return backend.run_fused(call, q, k, v, mask, bias)
+    if path.startswith("native"):
+        return _pack(call, *backend.run_native(call, q, k, v, mask, bias, rng))
     keep = None
     if call.dropout > 0:
         keep = backend.keep_mask(rng, call.dropout, call.xp, call.device)

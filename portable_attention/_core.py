@@ -28,7 +28,7 @@ CHUNK_BUDGET = 1 << 23
 
 
 @dataclass(frozen=True)
-class _Operands:
+class Operands:
     """q, k, v, mask and bias in the compute dtype, heads split as ``[..., Hk, G, L, D]``.
 
     q is already multiplied by the scale (``Lq*Dk`` products instead of ``Lq*Lk``).
@@ -64,22 +64,22 @@ def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int) -> An
     return xp.reshape(x, (*lead, *heads, lq, lk))
 
 
-def _operands(call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> _Operands:
+def operands(call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Operands:
     xp, ct = call.xp, call.compute_dtype
     if len(call.q_shape) == 2:  # one implicit head
         q, k, v = (xp.reshape(x, (1, *x.shape)) for x in (q, k, v))
     hk = k.shape[-3]
     group = q.shape[-3] // hk
     ndim = q.ndim
-    qc = xp.astype(q, ct) * call.scale
+    qc = xp.astype(q, ct, copy=False) * call.scale
     if bias is not None:
-        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct)
+        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct, copy=False)
     if mask is not None:
         mask = _group_scores_operand(xp, mask, ndim, hk, group)
-    return _Operands(
+    return Operands(
         q=_group_heads(xp, qc, hk, group, kv=False),
-        k=_group_heads(xp, xp.astype(k, ct), hk, group, kv=True),
-        v=_group_heads(xp, xp.astype(v, ct), hk, group, kv=True),
+        k=_group_heads(xp, xp.astype(k, ct, copy=False), hk, group, kv=True),
+        v=_group_heads(xp, xp.astype(v, ct, copy=False), hk, group, kv=True),
         mask=mask,
         bias=bias,
     )
@@ -128,7 +128,7 @@ def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) ->
     return (left is not None and farthest < -left) or (right is not None and nearest > right)
 
 
-def _block(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
+def block_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
     """The ``rows x cols`` block of a broadcastable mask/bias (size-1 axes kept)."""
     if x is None:
         return None
@@ -138,7 +138,7 @@ def _block(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
 
 
 def _masked_scores(
-    call: Call, ops: _Operands, rows: tuple[int, int], cols: tuple[int, int], *, whole: bool
+    call: Call, ops: Operands, rows: tuple[int, int], cols: tuple[int, int], *, whole: bool
 ) -> Any:
     """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, then ``-inf`` where masked."""
     xp = call.xp
@@ -148,10 +148,10 @@ def _masked_scores(
     if call.softcap is not None:
         s = call.softcap * xp.tanh(s / call.softcap)
     if ops.bias is not None:
-        s = s + (ops.bias if whole else _block(ops.bias, rows, cols))
+        s = s + (ops.bias if whole else block_of(ops.bias, rows, cols))
     allowed = structural_mask(call, device=call.device, rows=rows, cols=cols)
     if ops.mask is not None:
-        user = ops.mask if whole else _block(ops.mask, rows, cols)
+        user = ops.mask if whole else block_of(ops.mask, rows, cols)
         allowed = user if allowed is None else (user & allowed)
     if allowed is not None:
         s = xp.where(allowed, s, -xp.inf)
@@ -170,7 +170,7 @@ def _empty_keys(call: Call) -> tuple[Any, Any, Any]:
 def _finish(call: Call, out: Any, lse: Any) -> tuple[Any, Any]:
     """Grouped ``[..., Hk, G, Lq, Dv]`` results back to the caller's shapes and dtype."""
     xp = call.xp
-    out = xp.astype(xp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1])), call.dtype)
+    out = xp.astype(xp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1])), call.dtype, copy=False)
     return out, xp.reshape(lse, call.q_shape[:-1])
 
 
@@ -191,7 +191,7 @@ def dense(
     if call.k_shape[-2] == 0:
         return _empty_keys(call)
     xp = call.xp
-    ops = _operands(call, q, k, v, mask, bias)
+    ops = operands(call, q, k, v, mask, bias)
     grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
     s = _masked_scores(call, ops, *grid, whole=True)
     weights, lse = _softmax_lse(xp, s)
@@ -199,7 +199,9 @@ def dense(
     if keep_mask is not None:
         p = xp.where(keep_mask(tuple(s.shape)), p / (1.0 - call.dropout), 0.0)
     out, lse = _finish(call, xp.matmul(p, ops.v), lse)
-    weights = xp.astype(xp.reshape(weights, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype)
+    weights = xp.astype(
+        xp.reshape(weights, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype, copy=False
+    )
     return out, weights, lse
 
 
@@ -243,7 +245,7 @@ def chunked(
         out, _, lse = _empty_keys(call)
         return out, lse
     xp = call.xp
-    ops = _operands(call, q, k, v, mask, bias)
+    ops = operands(call, q, k, v, mask, bias)
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     size = call.chunk_size or auto_chunk(call)
     out_blocks, lse_blocks = [], []

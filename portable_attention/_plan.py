@@ -29,8 +29,9 @@ class Plan:
     ----------
     path : str
         ``"fused:torch"``, ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's
-        fused kernel; ``"portable"``: the array-API implementation with the whole score
-        matrix; ``"portable:chunked"``: the array-API online-softmax over key/query blocks.
+        fused kernel; ``"native:numpy"``: a NumPy-only blocked kernel; ``"portable"``:
+        the array-API implementation with the whole score matrix;
+        ``"portable:chunked"``: the array-API online softmax over key/query blocks.
     reason : str
         In words, why this path and not a faster one.
     """
@@ -68,13 +69,17 @@ def _decide(call: Call, implementation: str) -> Plan:
     backend = adapter(call.backend)
     fused_reason = getattr(backend, "fused_reason", None)
     if fused_reason is None:
-        return _portable(call, f"{call.backend} has no fused attention kernel")
-    why = fused_reason(call)
+        why = f"{call.backend} has no fused attention kernel"
+    else:
+        why = fused_reason(call)
     if why is None and implementation == "auto":
         preferred = getattr(backend, "portable_preferred", None)
         why = None if preferred is None else preferred(call)
     if why is None:
         return Plan(backend.PATH, backend.FUSED_WHY)
+    native_reason = getattr(backend, "native_reason", None)
+    if implementation == "auto" and native_reason is not None and native_reason(call) is None:
+        return Plan(backend.NATIVE_PATH, f"{why}; {backend.NATIVE_WHY}")
     return _portable(call, why)
 
 

@@ -1,7 +1,129 @@
-"""NumPy: dropout from a ``numpy.random.Generator``, which is the generic adapter's RNG."""
+"""NumPy: a native kernel (NumPy has no fused attention) and dropout from a
+``numpy.random.Generator`` (the generic adapter's RNG).
+
+The kernel is the portable algorithm with NumPy-only tricks: the scale folded into q,
+scores transformed in place (softcap, bias, mask, ``exp``), the softmax division done
+on ``[Lq, Dv]`` after the second matmul instead of on ``[Lq, Lk]``, and query blocks
+sized to stay in cache and shared between threads (NumPy releases the GIL in matmul and
+ufuncs). Only arrays it allocated itself are written: inputs are never modified.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from portable_attention import _core, _validate
 from portable_attention.backends.generic import RNG, keep_mask
 
-__all__ = ["RNG", "keep_mask"]
+__all__ = ["NATIVE_PATH", "RNG", "keep_mask", "native_reason", "run_native"]
+
+NATIVE_PATH = "native:numpy"
+NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, query blocks on all cores)"
+
+#: Scores per query block, over all batch and head dims (4 MiB of float32).
+_BLOCK_ELEMENTS = 1 << 20
+#: Below this many scores in all, threads cost more than they give.
+_THREADS_MIN_ELEMENTS = 1 << 21
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+
+
+def native_reason(call: _validate.Call) -> str | None:
+    """Why the native kernel does not take ``call`` (None: it does)."""
+    if call.chunk_size is not None:
+        return "chunk_size asks for the portable chunked path"
+    return None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="portable_attention")
+    return _pool
+
+
+def run_native(
+    call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any
+) -> tuple[Any, Any, Any]:
+    """``(out, weights or None, lse or None)`` with the contract of ``_core.dense``."""
+    if call.k_shape[-2] == 0:
+        return _core.dense(call, q, k, v)
+    ops = _core.operands(call, np.asarray(q), np.asarray(k), np.asarray(v), mask, bias)
+    keep = keep_mask(rng, call.dropout, np, None) if call.dropout > 0 else None
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    lead = ops.q.shape[:-2]
+    ct = call.compute_dtype
+    out = np.empty((*lead, lq, call.v_shape[-1]), dtype=ct)
+    lse = np.empty((*lead, lq), dtype=ct) if call.return_lse else None
+    weights = np.empty((*lead, lq, lk), dtype=ct) if call.return_weights else None
+    rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(lead) * lk))
+    blocks = [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
+
+    def run(rows: tuple[int, int]) -> None:
+        _block(call, ops, rows, keep, out, weights, lse)
+
+    threaded = keep is None and len(blocks) > 1 and math.prod(lead) * lq * lk
+    if threaded and threaded >= _THREADS_MIN_ELEMENTS and _WORKERS > 1:
+        list(_executor().map(run, blocks))
+    else:
+        for rows in blocks:
+            run(rows)
+    out_final = out.reshape(*call.q_shape[:-1], call.v_shape[-1]).astype(call.dtype, copy=False)
+    if weights is not None:
+        weights = weights.reshape(*call.q_shape[:-1], lk).astype(call.dtype, copy=False)
+    if lse is not None:
+        lse = lse.reshape(call.q_shape[:-1])
+    return out_final, weights, lse
+
+
+def _block(
+    call: _validate.Call,
+    ops: Any,
+    rows: tuple[int, int],
+    keep: Any,
+    out: Any,
+    weights: Any,
+    lse: Any,
+) -> None:
+    """One query block, written into the preallocated ``out`` / ``weights`` / ``lse``."""
+    lk = call.k_shape[-2]
+    cols = (0, lk)
+    r = slice(*rows)
+    s = np.matmul(ops.q[..., r, :], np.swapaxes(ops.k, -1, -2))  # a fresh block: ours to edit
+    if call.softcap is not None:
+        np.multiply(s, 1.0 / call.softcap, out=s)
+        np.tanh(s, out=s)
+        np.multiply(s, call.softcap, out=s)
+    if ops.bias is not None:
+        np.add(s, _core.block_of(ops.bias, rows, cols), out=s)
+    allowed = _core.structural_mask(call, rows=rows, cols=cols)
+    if ops.mask is not None:
+        user = _core.block_of(ops.mask, rows, cols)
+        allowed = user if allowed is None else (user & allowed)
+    if allowed is not None:
+        np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
+    m = s.max(axis=-1, keepdims=True)
+    finite = np.isfinite(m)
+    m[~finite] = 0.0
+    np.subtract(s, m, out=s)
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    has_key = total > 0
+    total[~has_key] = 1.0
+    if weights is not None:
+        np.divide(s, total, out=weights[..., r, :])
+    if keep is not None:
+        np.multiply(s, keep(s.shape), out=s)
+        np.multiply(s, 1.0 / (1.0 - call.dropout), out=s)
+    block_out = out[..., r, :]
+    np.matmul(s, ops.v, out=block_out)
+    np.divide(block_out, total, out=block_out)
+    if lse is not None:
+        block_lse = np.log(total) + m
+        block_lse[~has_key] = -np.inf
+        lse[..., r] = block_lse[..., 0]
