@@ -1,7 +1,10 @@
-"""CuPy: dropout from a ``cupy.random.Generator`` or ``RandomState``."""
+"""CuPy: no attention kernel of its own. The fused path hands the arrays to torch SDPA
+through DLPack (zero-copy, same GPU) and the result back as CuPy; dropout draws from
+a ``cupy.random.Generator`` or ``RandomState``."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import cupy
@@ -9,7 +12,9 @@ import cupy
 from portable_attention import _validate
 
 NAME = "CuPy"
+PATH = "fused:cupy-via-torch"
 RNG = "a cupy.random.Generator or cupy.random.RandomState (or None for CuPy's global RNG)"
+FUSED_WHY = "torch SDPA on the same GPU through DLPack (no copies) covers this call"
 
 
 def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
@@ -28,3 +33,43 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
             return uniform(shape, dtype=cupy.float32) >= p
 
     return draw
+
+
+def fused_reason(call: _validate.Call) -> str | None:
+    """Why torch SDPA cannot run ``call`` for CuPy arrays (None: it can)."""
+    if importlib.util.find_spec("torch") is None:
+        return "CuPy has no attention kernel and torch (for SDPA via DLPack) is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CuPy has no attention kernel and this torch build has no CUDA"
+    from portable_attention.backends import torch as torch_adapter
+
+    if call.dropout > 0:
+        return "SDPA's dropout would draw from torch's RNG, not CuPy's"
+    return torch_adapter.fused_reason(call)
+
+
+def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
+    """Run torch SDPA on DLPack views of the CuPy arrays; return CuPy."""
+    import torch
+
+    from portable_attention.backends import torch as torch_adapter
+
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    tmask = None if mask is None else torch.from_dlpack(mask)
+    tbias = None if bias is None else torch.from_dlpack(bias)
+    tcall = _validate.validate_call(
+        tq,
+        tk,
+        tv,
+        mask=tmask,
+        bias=tbias,
+        causal=call.causal or False,
+        window=call.window,
+        scale=call.scale,
+        dropout=call.dropout,
+    )
+    with torch.cuda.device(tq.device):
+        out = torch_adapter.run_fused(tcall, tq, tk, tv, tmask, tbias)
+    return cupy.from_dlpack(out)

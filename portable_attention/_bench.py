@@ -1,0 +1,217 @@
+"""``python -m portable_attention bench``: our time against each framework's anchor.
+
+For each installed backend and shape it prints our time (``attend`` with
+``implementation="auto"``, the path ``plan()`` names), the anchor's time on the same
+arrays in the same run, the throughput ratio ``anchor_time / our_time`` (>= 1 means we
+are faster), GFLOP/s and the process's peak RSS so far. Times are medians of several
+repetitions after warm-up. Anchors: torch SDPA called directly,
+``jax.nn.dot_product_attention`` under ``jax.jit``, and for NumPy the seed-style formula
+(matmul, divide by sqrt(d), subtract max, exp, divide by sum, matmul) and torch SDPA.
+
+``--memory`` runs NumPy at ``B=1, H=8, L=16384, D=64`` float32 in a subprocess and
+reports its peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from portable_attention import attend, plan
+
+SHAPES = [(1, 8, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64)]
+DECODE = ((1, 8, 1, 64), (1, 8, 512, 64))  # one query against a 512-key cache
+
+
+def _median_seconds(fn: Callable[[], Any], *, budget: float = 1.0, repeats: int = 7) -> float:
+    """Median wall time of ``fn()``: warm-up, then ``repeats`` timings of batched calls."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    inner = max(1, min(10_000, int(budget / repeats / once)))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def _peak_rss_mib() -> float:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024 if sys.platform != "darwin" else kib / 1024 / 1024
+
+
+def seed_formula(q: Any, k: Any, v: Any) -> Any:
+    """The seed's NumPy attention, the anchor for NumPy."""
+    scores = np.matmul(q, k.swapaxes(-1, -2)) / np.sqrt(q.shape[-1])
+    weights = np.exp(scores - np.max(scores, axis=-1, keepdims=True))
+    weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return np.matmul(weights, v)
+
+
+def _inputs(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> tuple[Any, Any, Any]:
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal(q_shape, dtype=np.float32)
+    k = rng.standard_normal(kv_shape, dtype=np.float32)
+    v = rng.standard_normal(kv_shape, dtype=np.float32)
+    return q, k, v
+
+
+def _cases() -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    cases = [(str(s), s, s) for s in SHAPES]
+    cases.append(("decode " + str(DECODE[1]), *DECODE))
+    return cases
+
+
+def _row(
+    backend: str, name: str, path: str, ours: float, anchor: str, theirs: float, flops: float
+) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "shape": name,
+        "path": path,
+        "ours_ms": ours * 1e3,
+        "anchor": anchor,
+        "anchor_ms": theirs * 1e3,
+        "ratio": theirs / ours,
+        "gflops": flops / ours / 1e9,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
+    has_torch = importlib.util.find_spec("torch") is not None
+    for name, qs, kvs in _cases():
+        q, k, v = _inputs(qs, kvs)
+        flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
+        path = plan(q, k, v).path
+        ours = _median_seconds(lambda: attend(q, k, v), budget=budget)  # noqa: B023
+        seed = _median_seconds(lambda: seed_formula(q, k, v), budget=budget)  # noqa: B023
+        rows.append(_row("numpy", name, path, ours, "seed formula", seed, flops))
+        if has_torch:
+            import torch
+            import torch.nn.functional as F
+
+            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+            sdpa = _median_seconds(
+                lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
+                budget=budget,
+            )
+            rows.append(_row("numpy", name, path, ours, "torch SDPA", sdpa, flops))
+
+
+def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    for name, qs, kvs in _cases():
+        q, k, v = (torch.from_numpy(x) for x in _inputs(qs, kvs))
+        flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
+        with torch.inference_mode():
+            path = plan(q, k, v).path
+            ours = _median_seconds(lambda: attend(q, k, v), budget=budget)  # noqa: B023
+            sdpa = _median_seconds(
+                lambda: F.scaled_dot_product_attention(q, k, v),  # noqa: B023
+                budget=budget,
+            )
+        rows.append(_row("torch", name, path, ours, "torch SDPA", sdpa, flops))
+
+
+def _bench_jax(rows: list[dict[str, Any]], budget: float) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    ours_fn = jax.jit(lambda q, k, v: attend(q, k, v))
+    anchor_fn = jax.jit(
+        lambda q, k, v: jnp.swapaxes(
+            jax.nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v))), 1, 2
+        )
+    )
+    for name, qs, kvs in _cases():
+        q, k, v = (jnp.asarray(x) for x in _inputs(qs, kvs))
+        flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
+        path = plan(q, k, v).path
+        ours = _median_seconds(
+            lambda: ours_fn(q, k, v).block_until_ready(),  # noqa: B023
+            budget=budget,
+        )
+        theirs = _median_seconds(
+            lambda: anchor_fn(q, k, v).block_until_ready(),  # noqa: B023
+            budget=budget,
+        )
+        rows.append(_row("jax", name, path + " (jit)", ours, "jax.nn (jit)", theirs, flops))
+
+
+BENCHES = {"numpy": _bench_numpy, "torch": _bench_torch, "jax": _bench_jax}
+
+
+def _memory_case() -> dict[str, Any]:
+    code = (
+        "import numpy as np, resource, time\n"
+        "from portable_attention import attend, plan\n"
+        "rng = np.random.default_rng(0)\n"
+        "q, k, v = (rng.standard_normal((1, 8, 16384, 64), dtype=np.float32) for _ in range(3))\n"
+        "t = time.perf_counter(); out = attend(q, k, v); t = time.perf_counter() - t\n"
+        "print(plan(q, k, v).path, t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {"path": done[0], "seconds": float(done[1]), "peak_rss_mib": int(done[2]) / 1024}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its table (and JSON with ``--json``)."""
+    parser = argparse.ArgumentParser(prog="python -m portable_attention bench")
+    parser.add_argument("--backends", default=",".join(BENCHES), help="comma-separated")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds per timing")
+    parser.add_argument("--memory", action="store_true", help="NumPy L=16384 peak RSS")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for backend in args.backends.split(","):
+        if backend not in BENCHES:
+            parser.error(f"unknown backend {backend!r}; choose from {', '.join(BENCHES)}")
+        if importlib.util.find_spec(backend) is None:
+            print(f"{backend}: not installed, skipped", file=sys.stderr)
+            continue
+        print(f"{backend}: measuring ...", file=sys.stderr, flush=True)
+        BENCHES[backend](rows, args.budget)
+    header = (
+        f"{'backend':<7} {'shape':<26} {'path':<20} {'ours ms':>9} {'anchor':<13} "
+        f"{'anchor ms':>9} {'ratio':>6} {'GFLOP/s':>8} {'peak RSS MiB':>12}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['backend']:<7} {r['shape']:<26} {r['path']:<20} {r['ours_ms']:>9.3f} "
+            f"{r['anchor']:<13} {r['anchor_ms']:>9.3f} {r['ratio']:>6.2f} "
+            f"{r['gflops']:>8.1f} {r['peak_rss_mib']:>12.0f}"
+        )
+    print("ratio = anchor time / our time (>= 1: attend is at least as fast)")
+    result: dict[str, Any] = {"rows": rows}
+    if args.memory:
+        mem = _memory_case()
+        result["memory"] = mem
+        print(
+            f"numpy B=1 H=8 L=16384 D=64 float32: path {mem['path']}, "
+            f"{mem['seconds']:.2f} s, peak RSS {mem['peak_rss_mib']:.0f} MiB"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
