@@ -72,7 +72,7 @@ def _inputs(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> tuple[Any, A
 
 
 def _cases() -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    cases = [(str(s), s, s) for s in SHAPES]
+    cases: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = [(str(s), s, s) for s in SHAPES]
     cases.append(("decode " + str(DECODE[1]), *DECODE))
     return cases
 
