@@ -2,8 +2,12 @@
 
 The demo builds a fixed NumPy example, prints the output and the attention weights of
 ``attend``, then passes the same inputs as PyTorch and JAX arrays (each only if it is
-installed) through the same ``attend`` and checks that every framework agrees with
-NumPy. Exit status 0 when all agree, 1 when one disagrees beyond ``TOLERANCE``.
+installed) through the same ``attend``, once with ``return_weights=True`` and once
+without (where ``implementation="auto"`` may pick the framework's fused kernel), and
+checks every result against NumPy, naming the path ``plan()`` chose. Exit status 0 when
+all agree, 1 when one disagrees beyond ``TOLERANCE``.
+
+``python -m portable_attention bench`` hands its arguments to ``_bench.main``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from portable_attention import attend
+from portable_attention import attend, plan
 
 TOLERANCE = 1e-5
 SEED = 0
@@ -88,13 +92,38 @@ def _verdict(diff: float) -> str:
     return "agree" if diff <= TOLERANCE else "DISAGREE"  # NaN disagrees too
 
 
+def _check(
+    label: str,
+    to_numpy: Callable[[Any], Array],
+    args: tuple[Any, Any, Any],
+    ref_out: Array,
+    ref_weights: Array,
+    **kwargs: Any,
+) -> bool:
+    """Run ``attend(*args, **kwargs)``, print one row against the reference; True if it agrees."""
+    call = ", ".join(key if key == "mask" else f"{key}={value!r}" for key, value in kwargs.items())
+    path = plan(*args, **kwargs).path
+    result = attend(*args, **kwargs)
+    if kwargs.get("return_weights"):
+        d_out = _max_abs_diff(to_numpy(result[0]), ref_out)
+        d_weights = _max_abs_diff(to_numpy(result[1]), ref_weights)
+        w_text = f"{d_weights:.1e}"
+    else:
+        d_out, d_weights, w_text = _max_abs_diff(to_numpy(result), ref_out), 0.0, "-"
+    verdict = _verdict(max(d_out, d_weights))
+    print(f"{label:<18} {call:<26} {path:<14} {d_out:>13.1e} {w_text:>11}  {verdict}")
+    return verdict == "agree"
+
+
 def demo() -> int:
     """Print the NumPy example and check every installed framework against it."""
     q, k, v, mask = _example()
     out, weights = attend(q, k, v, mask=mask, return_weights=True)
     out, weights = np.asarray(out), np.asarray(weights)
 
+    ref_path = plan(q, k, v, mask=mask, return_weights=True).path
     print(f"portable_attention {_version()}: attend(q, k, v, mask=mask, return_weights=True)")
+    print(f"NumPy path: {ref_path}")
     print(f"q, k, v: float32 [B={B}, H={H}, L={L}, D={D}], seed {SEED}")
     print(f"mask: bool [{L}, {L}], True = may attend (lower triangle: causal)")
     with np.printoptions(precision=4, suppress=True, floatmode="fixed", linewidth=100):
@@ -102,32 +131,24 @@ def demo() -> int:
         print(weights)
         print(f"\nNumPy output {list(out.shape)}:")
         print(out)
-    print()
 
-    failures = 0
+    # Each row: one call, the path plan() names for it, and its distance from the NumPy
+    # result above. Without return_weights, `auto` may take the framework's fused kernel.
+    print(f"\n{'arrays':<18} {'call':<26} {'path':<14} {'max|out diff|':>13} {'max|w diff|':>11}")
+    # The same mask said as `causal=True` (lower-right; the triangle when Lq == Lk).
+    failures = int(not _check("numpy", np.asarray, (q, k, v), out, weights, causal=True))
     compared: list[str] = []
-
-    # The same mask said with `causal=True` (lower-right; equal to the triangle when Lq == Lk).
-    diff = _max_abs_diff(np.asarray(attend(q, k, v, causal=True)), out)
-    print(f"{'numpy causal=True':<20} max |out - mask=tril| = {diff:.1e}  {_verdict(diff)}")
-    failures += _verdict(diff) != "agree"
-
     for name, load in FRAMEWORKS.items():
         if importlib.util.find_spec(name) is None:
-            print(f"{name:<20} not installed, skipped")
+            print(f"{name:<18} not installed, skipped")
             continue
         label, to_native, to_numpy = load()
-        f_out, f_weights = attend(
-            to_native(q), to_native(k), to_native(v), mask=to_native(mask), return_weights=True
+        args = (to_native(q), to_native(k), to_native(v))
+        f_mask = to_native(mask)
+        failures += not _check(
+            label, to_numpy, args, out, weights, mask=f_mask, return_weights=True
         )
-        d_out = _max_abs_diff(to_numpy(f_out), out)
-        d_weights = _max_abs_diff(to_numpy(f_weights), weights)
-        verdict = _verdict(max(d_out, d_weights))
-        print(
-            f"{label:<20} max |out - numpy| = {d_out:.1e}, "
-            f"max |weights - numpy| = {d_weights:.1e}  {verdict}"
-        )
-        failures += verdict != "agree"
+        failures += not _check(label, to_numpy, args, out, weights, mask=f_mask)
         compared.append(name)
 
     if failures:
@@ -144,21 +165,31 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m portable_attention",
         description=(
-            "Run one small attention through portable_attention.attend on NumPy and on "
-            "every installed framework (torch, jax), print it, and check they agree "
-            f"(exit 1 if any differs by more than {TOLERANCE:g})."
+            "demo (the default): run one small attention through portable_attention.attend "
+            "on NumPy and on every installed framework (torch, jax), print it, and check "
+            f"they agree (exit 1 if any differs by more than {TOLERANCE:g})."
         ),
     )
     parser.add_argument("--version", action="version", version=f"portable_attention {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("demo", help="the cross-framework example (the default)")
+    commands.add_parser(
+        "bench",
+        help="time attend against torch SDPA, jax.nn and plain NumPy (bench --help)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m portable_attention``; returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["bench"]:  # the benchmark parses its own options
+        from portable_attention import _bench
+
+        return _bench.main(arguments[1:])
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     if args.command in (None, "demo"):
         return demo()
     parser.error(f"unknown command {args.command!r}")  # argparse exits with status 2

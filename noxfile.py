@@ -1,0 +1,112 @@
+"""nox sessions for portable_attention.
+
+Plain ``nox`` runs ``tests-all`` (every CPU backend in one environment, the whole
+suite) and ``lint``; each framework is installed once. ``nox -l`` lists all sessions;
+``nox -s torch`` runs one backend alone. Environments are reused between runs.
+
+Every test session sets ``PORTABLE_ATTENTION_BACKENDS`` to exactly the backends it
+installed, so the suite fails (it does not skip) when one of them does not import.
+
+PyTorch is pinned to ``torch==2.13.0``: on the project's machines that version is a CPU
+build on local disk, while any looser spec (``torch``, ``torch>=2``) pulls a CUDA build
+of several GB. Override with ``TORCH_SPEC`` (for example ``TORCH_SPEC="torch==2.5.1"``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PYPROJECT = ROOT / "pyproject.toml"
+
+# The one place the framework requirements are spelled out.
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+JAX_SPEC = os.environ.get("JAX_SPEC", "jax")  # the PyPI `jax` wheel runs on the CPU
+
+SOURCES = ("portable_attention", "tests", "noxfile.py")
+
+nox.options.sessions = ["tests-all", "lint"]
+# Reuse environments between local runs (`nox -N` or `--reuse-venv=no` to rebuild).
+# Every session still runs its pip install, so a reused environment stays current.
+nox.options.reuse_venv = "yes"
+
+
+def _dependency_group(name: str) -> list[str]:
+    """Requirements of a ``[dependency-groups]`` entry in pyproject.toml."""
+    project = getattr(nox, "project", None)
+    if project is not None and hasattr(project, "dependency_groups"):
+        pyproject = project.load_toml(PYPROJECT)
+        return list(project.dependency_groups(pyproject, name))
+    # Older nox (before 2025.02.09): read the group directly (no include-group support).
+    import tomllib
+
+    with PYPROJECT.open("rb") as f:
+        groups = tomllib.load(f).get("dependency-groups", {})
+    return [req for req in groups[name] if isinstance(req, str)]
+
+
+def _framework_requirements(backends: tuple[str, ...]) -> list[str]:
+    reqs: list[str] = []
+    if "torch" in backends:
+        reqs.append(TORCH_SPEC)
+    if "jax" in backends:
+        reqs.append(JAX_SPEC)
+    return reqs
+
+
+def _run_tests(session: nox.Session, backends: tuple[str, ...]) -> None:
+    # One pip call: the pinned torch is resolved together with the package and the test
+    # group, so nothing can ask for a newer torch behind our back. The package is
+    # installed without extras (its `torch`/`jax` extras are unpinned ranges).
+    session.install(*_framework_requirements(backends), ".", *_dependency_group("test"))
+    env = {"PORTABLE_ATTENTION_BACKENDS": ",".join(backends)}
+    if "jax" in backends:
+        # CPU jaxlib; skip the accelerator probe and its warnings.
+        env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
+    session.run("python", "-m", "pytest", *session.posargs, env=env)
+
+
+@nox.session
+def numpy(session: nox.Session) -> None:
+    """Test suite on NumPy only."""
+    _run_tests(session, ("numpy",))
+
+
+@nox.session(name="array_api_strict")
+def array_api_strict(session: nox.Session) -> None:
+    """Test suite on array_api_strict only (the array API standard, nothing more)."""
+    _run_tests(session, ("array_api_strict",))
+
+
+@nox.session
+def torch(session: nox.Session) -> None:
+    """Test suite on PyTorch (CPU build, pinned) only."""
+    _run_tests(session, ("torch",))
+
+
+@nox.session
+def jax(session: nox.Session) -> None:
+    """Test suite on JAX (CPU) only."""
+    _run_tests(session, ("jax",))
+
+
+@nox.session(name="tests-all")
+def tests_all(session: nox.Session) -> None:
+    """Whole suite with every CPU backend installed together, then the demo."""
+    _run_tests(session, ("numpy", "array_api_strict", "torch", "jax"))
+    # The README's first command: the cross-framework demo exits 1 on a disagreement.
+    session.run("python", "-m", "portable_attention")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check, and mypy over the package."""
+    # The package (NumPy, array-api-compat) is installed so mypy sees real types;
+    # torch/jax are not: mypy's ignore_missing_imports covers the optional backends.
+    session.install(".", *_dependency_group("lint"))
+    session.run("ruff", "check", *SOURCES)
+    session.run("ruff", "format", "--check", "--diff", *SOURCES)
+    session.run("mypy", "-p", "portable_attention")
