@@ -2,10 +2,17 @@
 ``numpy.random.Generator`` (the generic adapter's RNG).
 
 The kernel is the portable algorithm with NumPy-only tricks: the scale folded into q,
-scores transformed in place (softcap, bias, mask, ``exp``), the softmax division done
-on ``[Lq, Dv]`` after the second matmul instead of on ``[Lq, Lk]``, and query blocks
-sized to stay in cache and shared between threads (NumPy releases the GIL in matmul and
-ufuncs). Only arrays it allocated itself are written: inputs are never modified.
+scores transformed in place (softcap, bias, mask, ``exp``), the row sums of the softmax
+taken by the second matmul (V gets a column of ones) and its division done on
+``[Lq, Dv]`` instead of ``[Lq, Lk]``, and query blocks sized to stay in cache.
+
+Threads: when ``threadpoolctl`` is installed, query blocks run on all cores with the BLAS
+pinned to one thread for the duration of the call (NumPy releases the GIL in matmul and
+ufuncs, so the elementwise passes run in parallel too). Without it the BLAS's own threads
+do the matmuls and the rest runs on one core: Python threads on top of a threaded
+OpenBLAS oversubscribe the cores and were measured 10-100x slower here.
+
+Only arrays it allocated itself are written: inputs are never modified.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ _BLOCK_ELEMENTS = 1 << 20
 _THREADS_MIN_ELEMENTS = 1 << 21
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
+_blas: Any = None  # threadpoolctl.ThreadpoolController, False when not installed
 
 
 def native_reason(call: _validate.Call) -> str | None:
@@ -47,6 +55,19 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
+def _blas_controller() -> Any:
+    """threadpoolctl's controller of the loaded BLAS, or None without threadpoolctl."""
+    global _blas
+    if _blas is None:
+        try:
+            import threadpoolctl
+        except ImportError:
+            _blas = False
+        else:
+            _blas = threadpoolctl.ThreadpoolController()
+    return _blas or None
+
+
 def run_native(
     call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any
 ) -> tuple[Any, Any, Any]:
@@ -54,6 +75,8 @@ def run_native(
     if call.k_shape[-2] == 0:
         return _core.dense(call, q, k, v)
     ops = _core.operands(call, np.asarray(q), np.asarray(k), np.asarray(v), mask, bias)
+    ones = np.ones((*ops.v.shape[:-1], 1), dtype=ops.v.dtype)
+    v_sum = np.concatenate([ops.v, ones], axis=-1)  # e @ [V | 1] = [e @ V | row sums]
     keep = keep_mask(rng, call.dropout, np, None) if call.dropout > 0 else None
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     lead = ops.q.shape[:-2]
@@ -65,11 +88,13 @@ def run_native(
     blocks = [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
 
     def run(rows: tuple[int, int]) -> None:
-        _block(call, ops, rows, keep, out, weights, lse)
+        _block(call, ops, v_sum, rows, keep, out, weights, lse)
 
-    threaded = keep is None and len(blocks) > 1 and math.prod(lead) * lq * lk
-    if threaded and threaded >= _THREADS_MIN_ELEMENTS and _WORKERS > 1:
-        list(_executor().map(run, blocks))
+    big = math.prod(lead) * lq * lk >= _THREADS_MIN_ELEMENTS
+    blas = _blas_controller() if big and keep is None and len(blocks) > 1 else None
+    if blas is not None and _WORKERS > 1:
+        with blas.limit(limits=1, user_api="blas"):
+            list(_executor().map(run, blocks))
     else:
         for rows in blocks:
             run(rows)
@@ -84,6 +109,7 @@ def run_native(
 def _block(
     call: _validate.Call,
     ops: Any,
+    v_sum: Any,
     rows: tuple[int, int],
     keep: Any,
     out: Any,
@@ -112,7 +138,11 @@ def _block(
     m[~finite] = 0.0
     np.subtract(s, m, out=s)
     np.exp(s, out=s)
-    total = s.sum(axis=-1, keepdims=True)
+    if keep is None:
+        both = np.matmul(s, v_sum)
+        block_sum, total = both[..., :-1], both[..., -1:]
+    else:
+        total = s.sum(axis=-1, keepdims=True)
     has_key = total > 0
     total[~has_key] = 1.0
     if weights is not None:
@@ -120,9 +150,8 @@ def _block(
     if keep is not None:
         np.multiply(s, keep(s.shape), out=s)
         np.multiply(s, 1.0 / (1.0 - call.dropout), out=s)
-    block_out = out[..., r, :]
-    np.matmul(s, ops.v, out=block_out)
-    np.divide(block_out, total, out=block_out)
+        block_sum = np.matmul(s, ops.v)
+    np.divide(block_sum, total, out=out[..., r, :])
     if lse is not None:
         block_lse = np.log(total) + m
         block_lse[~has_key] = -np.inf
