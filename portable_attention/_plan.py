@@ -7,7 +7,6 @@ dense score matrix would be large), never on data, and are cached by that key.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,6 @@ class Plan:
 
 
 _cache: dict[tuple[Any, ...], Plan] = {}
-_lock = threading.Lock()
 
 
 def _dense_bytes(call: Call) -> int:
@@ -96,8 +94,9 @@ def choose(call: Call, implementation: str) -> Plan:
     plan = _cache.get(key)
     if plan is None:
         plan = _decide(call, implementation)
-        with _lock:
-            plan = _cache.setdefault(key, plan)
+        # setdefault on a dict of builtin keys is atomic: threads agree on one Plan, no lock
+        # (which torch.compile could not trace either).
+        plan = _cache.setdefault(key, plan)
     if implementation == "fused" and not plan.path.startswith("fused"):
         raise fused_unavailable_error(plan.reason)
     return plan

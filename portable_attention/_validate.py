@@ -9,7 +9,6 @@ it runs unchanged under ``jax.jit`` and ``torch.compile``.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,10 +114,14 @@ def _cpu(x: Any) -> str:
     return "cpu"
 
 
+def _device_attribute(x: Any) -> Any:
+    return x.device
+
+
 _DEVICE_GETTERS: dict[str, Callable[[Any], Any]] = {
     "numpy": _cpu,
-    "torch": operator.attrgetter("device"),
-    "cupy": operator.attrgetter("device"),
+    "torch": _device_attribute,
+    "cupy": _device_attribute,
 }
 
 
