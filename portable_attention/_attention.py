@@ -111,18 +111,24 @@ def attend(
     )
     path = choose(call, check_implementation(implementation)).path
     backend = adapter(call.backend)
+    keep = _keep_mask(call, rng)
     if path.startswith("fused"):
         return backend.run_fused(call, q, k, v, mask, bias)
     if path.startswith("native"):
-        return _pack(call, *backend.run_native(call, q, k, v, mask, bias, rng))
-    keep = None
-    if call.dropout > 0:
-        keep = backend.keep_mask(rng, call.dropout, call.xp, call.device)
+        return _pack(call, *backend.run_native(call, q, k, v, mask, bias, keep))
     if path == CHUNKED:
         out, lse = _core.chunked(call, q, k, v, mask, bias, keep)
         return _pack(call, out, None, lse)
     out, weights, lse = _core.dense(call, q, k, v, mask, bias, keep)
     return _pack(call, out, weights, lse)
+
+
+def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:
+    """The dropout keep-mask drawer from the framework's ``rng`` (checked even where a
+    fused kernel draws its own dropout); None without dropout."""
+    if call.dropout == 0:
+        return None
+    return adapter(call.backend).keep_mask(rng, call.dropout, call.xp, call.device)
 
 
 def _pack(call: Call, out: Any, weights: Any, lse: Any) -> Any:
@@ -143,4 +149,6 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
     kernel applies.
     """
     implementation = check_implementation(kwargs.pop("implementation", "auto"))
-    return choose(validate_call(q, k, v, **kwargs), implementation)
+    call = validate_call(q, k, v, **kwargs)
+    _keep_mask(call, kwargs.get("rng"))
+    return choose(call, implementation)

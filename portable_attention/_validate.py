@@ -70,6 +70,8 @@ class Call:
             self.return_lse,
             self.heads[0] != self.heads[1],
             self.q_shape[-2] != self.k_shape[-2],
+            self.q_shape[-1] != self.v_shape[-1],
+            0 in (self.q_shape[-2], self.k_shape[-2]),
         )
 
 
@@ -259,7 +261,7 @@ def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tup
 
 def normalize_causal(causal: object) -> str | None:
     """``False -> None``, ``True -> "lower_right"``, a known alignment string -> itself."""
-    if causal is False or causal is None:
+    if causal is False:
         return None
     if causal is True:
         return "lower_right"

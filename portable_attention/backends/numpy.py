@@ -69,7 +69,7 @@ def _blas_controller() -> Any:
 
 
 def run_native(
-    call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any
+    call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
 ) -> tuple[Any, Any, Any]:
     """``(out, weights or None, lse or None)`` with the contract of ``_core.dense``."""
     if call.k_shape[-2] == 0:
@@ -77,7 +77,6 @@ def run_native(
     ops = _core.operands(call, np.asarray(q), np.asarray(k), np.asarray(v), mask, bias)
     ones = np.ones((*ops.v.shape[:-1], 1), dtype=ops.v.dtype)
     v_sum = np.concatenate([ops.v, ones], axis=-1)  # e @ [V | 1] = [e @ V | row sums]
-    keep = keep_mask(rng, call.dropout, np, None) if call.dropout > 0 else None
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     lead = ops.q.shape[:-2]
     ct = call.compute_dtype

@@ -73,6 +73,8 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     """``out`` from SDPA; rows with no key give 0 (SDPA's safe softmax on CPU, forced
     elsewhere)."""
     attn_mask, is_causal = _sdpa_mask(call, mask, bias)
+    if attn_mask is not None and attn_mask.ndim < 2:
+        attn_mask = attn_mask.reshape(1, -1)  # SDPA wants [Lq|1, Lk] at least
     out = F.scaled_dot_product_attention(
         q,
         k,
