@@ -1,0 +1,80 @@
+"""Small helpers shared by the test modules (no package imports here)."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from conftest import LSE_TOLERANCES, TOLERANCES, Backend, compute_dtype_name
+
+
+def rng_for(*key: object) -> np.random.Generator:
+    """A NumPy Generator seeded stably from ``key`` (independent of test order)."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def randn(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+def assert_like(
+    result: Any, like: Any, *, shape: tuple[int, ...], dtype: Any, name: str = "result"
+) -> None:
+    """Assert ``result`` is an array of ``like``'s framework (same type and namespace), on the
+    same device, with the given shape and dtype."""
+    assert type(result) is type(like), f"{name}: type {type(result)} != {type(like)}"
+    ns = array_api_compat.array_namespace(result)
+    assert ns is array_api_compat.array_namespace(like), f"{name}: namespace {ns}"
+    assert result.dtype == dtype, f"{name}: dtype {result.dtype} != {dtype}"
+    assert tuple(result.shape) == tuple(shape), f"{name}: shape {tuple(result.shape)} != {shape}"
+    dev, want = array_api_compat.device(result), array_api_compat.device(like)
+    assert dev == want, f"{name}: device {dev} != {want}"
+
+
+def assert_close(
+    actual: np.ndarray, expected: np.ndarray, dtype_name: str, *, what: str = "out"
+) -> None:
+    rtol, atol = (LSE_TOLERANCES if what == "lse" else TOLERANCES)[dtype_name]
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+def check_against_oracle(
+    backend: Backend,
+    dtype_name: str,
+    q: Any,
+    result: tuple[Any, Any | None, Any | None],
+    ref: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    """Check ``(out, weights, lse)`` (weights/lse may be None when not asked for) against the
+    oracle's float64 values: framework, device, dtype, shape, values, and exact 0 / 0 / -inf
+    on rows with no key."""
+    out, weights, lse = result
+    ref_out, ref_w, ref_lse = ref
+    dt = backend.dtype(dtype_name)
+    empty = np.isneginf(ref_lse)
+
+    assert_like(out, q, shape=ref_out.shape, dtype=dt, name="out")
+    out_np = backend.to_numpy(out)
+    assert np.all(np.isfinite(out_np)), "out has non-finite values"
+    # Rows with no key: exactly 0 output.
+    assert np.all(out_np[empty] == 0.0), "out not exactly 0 on rows with no key"
+    assert_close(out_np, ref_out, dtype_name, what="out")
+
+    if weights is not None:
+        assert_like(weights, q, shape=ref_w.shape, dtype=dt, name="weights")
+        w_np = backend.to_numpy(weights)
+        assert np.all(np.isfinite(w_np)), "weights have non-finite values"
+        assert np.all(w_np[empty] == 0.0), "weights not exactly 0 on rows with no key"
+        assert np.all(w_np[ref_w == 0.0] == 0.0), "nonzero weight at a masked position"
+        assert_close(w_np, ref_w, dtype_name, what="weights")
+
+    if lse is not None:
+        lse_dt = backend.dtype(compute_dtype_name(dtype_name))
+        assert_like(lse, q, shape=ref_lse.shape, dtype=lse_dt, name="lse")
+        lse_np = backend.to_numpy(lse)
+        assert not np.any(np.isnan(lse_np)), "lse has NaN"
+        np.testing.assert_array_equal(np.isneginf(lse_np), empty, err_msg="lse -inf rows")
+        assert_close(lse_np[~empty], ref_lse[~empty], dtype_name, what="lse")

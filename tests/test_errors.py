@@ -1,0 +1,351 @@
+"""Every documented error of attend() (and plan()), on every backend.
+
+Each message must name the offending argument in backticks (docs/api-decisions.md).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import attend, plan
+
+from conftest import Backend, foreign_array
+from helpers import randn, rng_for
+
+ENTRY_POINTS = {"attend": attend, "plan": plan}
+
+
+@pytest.fixture(params=list(ENTRY_POINTS))
+def fn(request: pytest.FixtureRequest) -> Any:
+    """attend() and plan() validate the same way."""
+    return ENTRY_POINTS[request.param]
+
+
+def arg(name: str) -> str:
+    """Regex: the argument's name in backticks."""
+    return "`" + re.escape(name) + r"\b"
+
+
+def qkv(backend: Backend, dtype: str = "float32", *, hq=4, hk=2, lq=3, lk=5, dk=4, dv=3, lead=(2,)):
+    rng = rng_for("errors", hq, hk, lq, lk, dk, dv, lead)
+    q = backend.asarray(randn(rng, (*lead, hq, lq, dk)), dtype)
+    k = backend.asarray(randn(rng, (*lead, hk, lk, dk)), dtype)
+    v = backend.asarray(randn(rng, (*lead, hk, lk, dv)), dtype)
+    return q, k, v
+
+
+def names_type(msg: str, x: Any) -> bool:
+    """Whether ``msg`` names the type of ``x`` (``jax.Array`` is accepted for jax arrays)."""
+    names = {type(x).__name__}
+    if type(x).__module__.startswith(("jax", "jaxlib")):
+        names.add("jax.Array")
+    return any(n in msg for n in names)
+
+
+# ------------------------------------------------------------------------------------------
+# Non-arrays and mixed frameworks
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_mixed_frameworks(backend: Backend, fn: Any, which: str) -> None:
+    arrays = dict(zip("qkv", qkv(backend), strict=True))
+    mine = arrays[which]
+    other = foreign_array(backend, backend.to_numpy(mine).astype(np.float32))
+    if other is None:
+        pytest.skip("no second framework importable")
+    arrays[which] = other
+    with pytest.raises(TypeError) as info:
+        fn(**arrays)
+    msg = str(info.value)
+    assert names_type(msg, other), msg
+    assert names_type(msg, arrays["k" if which == "q" else "q"]), msg
+
+
+@pytest.mark.parametrize("which", ["mask", "bias"])
+def test_mixed_frameworks_mask_bias(backend: Backend, fn: Any, which: str) -> None:
+    q, k, v = qkv(backend)
+    data = np.ones((3, 5), dtype=bool) if which == "mask" else np.zeros((3, 5), np.float32)
+    other = foreign_array(backend, data)
+    if other is None:
+        pytest.skip("no second framework importable")
+    with pytest.raises(TypeError, match=arg(which)) as info:
+        fn(q, k, v, **{which: other})
+    assert names_type(str(info.value), other), str(info.value)
+    assert names_type(str(info.value), q), str(info.value)
+
+
+def test_torch_q_numpy_k_names_both_types(fn: Any) -> None:
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(2, 3, 4)
+    k = np.zeros((2, 3, 4), dtype=np.float32)
+    with pytest.raises(TypeError) as info:
+        fn(q, k, torch.zeros(2, 3, 4))
+    assert "Tensor" in str(info.value)
+    assert "ndarray" in str(info.value)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "mask", "bias"])
+@pytest.mark.parametrize("kind", ["list", "scalar"])
+def test_non_array_inputs(backend: Backend, fn: Any, which: str, kind: str) -> None:
+    q, k, v = qkv(backend)
+    arrays: dict[str, Any] = {"q": q, "k": k, "v": v}
+    scalar: Any = True if which == "mask" else 1.0
+    if kind == "scalar":
+        value = scalar
+    elif which in ("q", "k", "v"):
+        value = backend.to_numpy(arrays[which]).tolist()
+    else:
+        value = [[scalar] * 5] * 3  # would broadcast to the scores [2, 4, 3, 5]
+    arrays[which] = value
+    with pytest.raises(TypeError, match=arg(which)):
+        fn(**arrays)
+
+
+def test_all_lists(fn: Any) -> None:
+    x = [[0.0, 1.0], [1.0, 0.0]]
+    with pytest.raises(TypeError, match=arg("q")):
+        fn(x, x, x)
+
+
+# ------------------------------------------------------------------------------------------
+# Ranks and shapes
+
+
+def test_rank_below_two(backend: Backend, fn: Any) -> None:
+    x = backend.asarray(np.ones(4), "float32")
+    with pytest.raises(ValueError, match=arg("q")):
+        fn(x, x, x)
+
+
+def test_rank_mismatch(backend: Backend, fn: Any) -> None:
+    q, k, v = qkv(backend)
+    k3 = k[0, ...]
+    with pytest.raises(ValueError, match=f"{arg('q')}|{arg('k')}"):
+        fn(q, k3, v)
+    with pytest.raises(ValueError, match=f"{arg('v')}|{arg('q')}"):
+        fn(q, k, v[0, ...])
+
+
+def test_leading_dims_differ(backend: Backend, fn: Any) -> None:
+    q, _, _ = qkv(backend, lead=(2,))
+    _, k, v = qkv(backend, lead=(3,))
+    with pytest.raises(ValueError, match=f"{arg('q')}|{arg('k')}"):
+        fn(q, k, v)
+
+
+def test_heads_not_divisible(backend: Backend, fn: Any) -> None:
+    q, k, v = qkv(backend, hq=3, hk=2)
+    with pytest.raises(ValueError, match=f"{arg('q')}|{arg('k')}") as info:
+        fn(q, k, v)
+    assert "3" in str(info.value)
+    assert "2" in str(info.value)
+
+
+def test_dk_mismatch(backend: Backend, fn: Any) -> None:
+    q, _, _ = qkv(backend, dk=4)
+    _, k, v = qkv(backend, dk=5)
+    with pytest.raises(ValueError, match=f"{arg('q')}|{arg('k')}"):
+        fn(q, k, v)
+
+
+def test_lk_mismatch(backend: Backend, fn: Any) -> None:
+    q, k, _ = qkv(backend, lk=5)
+    _, _, v = qkv(backend, lk=6)
+    with pytest.raises(ValueError, match=f"{arg('k')}|{arg('v')}"):
+        fn(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 4), (4, 5), (3, 3, 5), (3, 1, 1, 5), (1, 1, 1, 3, 5)],
+    ids=["lk_wrong", "lq_wrong", "heads_wrong", "batch_wrong", "too_many_dims"],
+)
+@pytest.mark.parametrize("which", ["mask", "bias"])
+def test_mask_bias_not_broadcasting(backend: Backend, fn: Any, which: str, shape: tuple) -> None:
+    q, k, v = qkv(backend)  # scores [2, 4, 3, 5]
+    if which == "mask":
+        value = backend.asarray(np.ones(shape, dtype=bool))
+    else:
+        value = backend.asarray(np.zeros(shape), "float32")
+    with pytest.raises(ValueError, match=arg(which)):
+        fn(q, k, v, **{which: value})
+
+
+# ------------------------------------------------------------------------------------------
+# dtypes
+
+
+@pytest.mark.parametrize("dtype_kind", ["int", "bool", "complex"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_real_floating_inputs(backend: Backend, fn: Any, which: str, dtype_kind: str) -> None:
+    arrays = dict(zip("qkv", qkv(backend, "float64"), strict=True))
+    data = np.ones(tuple(arrays[which].shape))
+    dt = {
+        "int": backend.int_dtype,
+        "bool": backend.bool_dtype,
+        "complex": backend.complex_dtype,
+    }[dtype_kind]
+    arrays[which] = backend.asarray(data, dt)
+    with pytest.raises(TypeError, match=arg(which)):
+        fn(**arrays)
+
+
+def test_all_int_inputs(backend: Backend, fn: Any) -> None:
+    x = backend.asarray(np.ones((2, 3, 4), dtype=np.int64))
+    with pytest.raises(TypeError, match=arg("q")):
+        fn(x, x, x)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_qkv_dtype_mismatch(backend: Backend, fn: Any, which: str) -> None:
+    arrays = dict(zip("qkv", qkv(backend, "float32"), strict=True))
+    arrays[which] = backend.asarray(backend.to_numpy(arrays[which]), "float64")
+    with pytest.raises(TypeError, match=f"{arg(which)}|{arg('q')}") as info:
+        fn(**arrays)
+    assert "float32" in str(info.value)
+    assert "float64" in str(info.value)
+
+
+def test_half_dtype_mismatch(backend: Backend, half_dtype: str, fn: Any) -> None:
+    q, k, v = qkv(backend, half_dtype)
+    v32 = backend.asarray(backend.to_numpy(v), "float32")
+    with pytest.raises(TypeError, match=f"{arg('v')}|{arg('q')}"):
+        fn(q, k, v32)
+
+
+@pytest.mark.parametrize("dtype_kind", ["float32", "float64", "int", "complex"])
+def test_mask_not_bool(backend: Backend, fn: Any, dtype_kind: str) -> None:
+    """A non-boolean mask is a TypeError that points to `bias=` (a float mask is the common
+    mistake: additive masks go to `bias`)."""
+    q, k, v = qkv(backend)
+    dt = {"int": backend.int_dtype, "complex": backend.complex_dtype}.get(dtype_kind, dtype_kind)
+    mask = backend.asarray(np.ones((3, 5)), dt)
+    with pytest.raises(TypeError, match=arg("mask")) as info:
+        fn(q, k, v, mask=mask)
+    assert "bias" in str(info.value)
+
+
+@pytest.mark.parametrize("bias_dtype", ["int", "bool", "complex", "float64"])
+def test_bias_wrong_dtype(backend: Backend, fn: Any, bias_dtype: str) -> None:
+    q, k, v = qkv(backend, "float32")
+    data = np.zeros((3, 5))
+    if bias_dtype == "float64":
+        bias = backend.asarray(data, "float64")  # neither q's dtype nor the compute dtype
+    else:
+        dt = {"int": backend.int_dtype, "bool": backend.bool_dtype}.get(
+            bias_dtype, backend.complex_dtype
+        )
+        bias = backend.asarray(data, dt)
+    with pytest.raises(TypeError, match=arg("bias")):
+        fn(q, k, v, bias=bias)
+
+
+def test_half_bias_wrong_dtype(backend: Backend, half_dtype: str, fn: Any) -> None:
+    """For half inputs bias may be q's dtype or float32, nothing else."""
+    q, k, v = qkv(backend, half_dtype)
+    bias = backend.asarray(np.zeros((3, 5)), "float64")
+    with pytest.raises(TypeError, match=arg("bias")):
+        fn(q, k, v, bias=bias)
+    other = [d for d in ("float16", "bfloat16") if d in backend.dtypes and d != half_dtype]
+    for name in other:
+        with pytest.raises(TypeError, match=arg("bias")):
+            fn(q, k, v, bias=backend.asarray(np.zeros((3, 5)), name))
+
+
+# ------------------------------------------------------------------------------------------
+# Option values
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, math.nan])
+def test_dropout_out_of_range(backend: Backend, fn: Any, p: float) -> None:
+    q, k, v = qkv(backend)
+    with pytest.raises(ValueError, match=arg("dropout")):
+        fn(q, k, v, dropout=p, rng=backend.make_rng(0))
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, math.inf, math.nan])
+def test_softcap_invalid(backend: Backend, fn: Any, softcap: float) -> None:
+    q, k, v = qkv(backend)
+    with pytest.raises(ValueError, match=arg("softcap")):
+        fn(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("causal", ["lower_left", "upper-left", "", "True"])
+def test_causal_unknown_string(backend: Backend, fn: Any, causal: str) -> None:
+    q, k, v = qkv(backend)
+    with pytest.raises(ValueError, match=arg("causal")) as info:
+        fn(q, k, v, causal=causal)
+    assert repr(causal) in str(info.value) or causal in str(info.value)
+
+
+@pytest.mark.parametrize("causal", [1, 0.0, None, [True]])
+def test_causal_wrong_type(backend: Backend, fn: Any, causal: Any) -> None:
+    q, k, v = qkv(backend)
+    with pytest.raises(TypeError, match=arg("causal")):
+        fn(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("implementation", ["fast", "Portable", "", "flash"])
+def test_implementation_unknown(backend: Backend, fn: Any, implementation: str) -> None:
+    q, k, v = qkv(backend)
+    with pytest.raises(ValueError, match=arg("implementation")):
+        fn(q, k, v, implementation=implementation)
+
+
+@pytest.mark.parametrize(
+    "window",
+    [-1, (-1, 2), (2, -1), (-3, None), (1, 2, 3), (1,), "2", (1.5, 2), 1.5],
+    ids=str,
+)
+def test_window_invalid(backend: Backend, fn: Any, window: Any) -> None:
+    q, k, v = qkv(backend)
+    with pytest.raises(ValueError, match=arg("window")):
+        fn(q, k, v, window=window)
+
+
+def test_rng_wrong_type(backend: Backend, fn: Any) -> None:
+    q, k, v = qkv(backend)
+    for bad in (backend.wrong_rng(), "seed"):
+        with pytest.raises(TypeError, match=arg("rng")):
+            fn(q, k, v, dropout=0.5, rng=bad)
+
+
+def test_jax_dropout_needs_rng(fn: Any) -> None:
+    from conftest import BY_NAME
+
+    if "jax" not in BY_NAME:
+        pytest.skip("jax not selected")
+    q, k, v = qkv(BY_NAME["jax"])
+    with pytest.raises(ValueError, match=arg("rng")):
+        fn(q, k, v, dropout=0.1)
+
+
+def test_different_devices(fn: Any) -> None:
+    from conftest import BY_NAME
+
+    if "array_api_strict" not in BY_NAME:
+        pytest.skip("array_api_strict not selected")
+    import array_api_strict as xs
+
+    rng = rng_for("devices")
+    q = xs.asarray(randn(rng, (2, 3, 4)))
+    k = xs.asarray(randn(rng, (2, 3, 4)), device=xs.Device("device1"))
+    v = xs.asarray(randn(rng, (2, 3, 4)))
+    with pytest.raises(ValueError, match=f"{arg('k')}|{arg('q')}"):
+        fn(q, k, v)
+    mask = xs.asarray(np.ones((3, 3), dtype=bool), device=xs.Device("device1"))
+    with pytest.raises(ValueError, match=arg("mask")):
+        fn(q, q, q, mask=mask)
+
+
+def test_errors_leave_inputs_unmodified(backend: Backend) -> None:
+    q, k, v = qkv(backend)
+    before = [backend.to_numpy(a).copy() for a in (q, k, v)]
+    with pytest.raises(ValueError):
+        attend(q, k, v, softcap=-1.0)
+    for a, b in zip((q, k, v), before, strict=True):
+        np.testing.assert_array_equal(backend.to_numpy(a), b)

@@ -1,0 +1,251 @@
+"""portable_attention.masks on every backend against hand-written expectations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+import numpy as np
+import pytest
+from portable_attention import masks
+
+from conftest import Backend
+
+T, F = True, False
+
+
+def check_mask(
+    backend: Backend, result: Any, expected: list | np.ndarray, device: Any = None
+) -> None:
+    expected = np.asarray(expected, dtype=bool)
+    sample = backend.asarray(np.zeros(1))
+    assert type(result) is type(sample), type(result)
+    assert array_api_compat.array_namespace(result) is backend.xp
+    assert result.dtype == backend.bool_dtype
+    assert tuple(result.shape) == expected.shape
+    want_dev = device if device is not None else backend.device
+    assert array_api_compat.device(result) == want_dev
+    np.testing.assert_array_equal(backend.to_numpy(result), expected)
+
+
+@pytest.fixture(params=["namespace", "module"])
+def xp_arg(request: pytest.FixtureRequest, backend: Backend) -> Any:
+    """`xp=` given as the array-API namespace or as the framework's own module."""
+    return backend.xp if request.param == "namespace" else backend.module
+
+
+# ------------------------------------------------------------------------------------------
+# causal_mask
+
+CAUSAL_EXPECTED = {
+    # (lq, lk, align): expected
+    (3, None, "lower_right"): [[T, F, F], [T, T, F], [T, T, T]],
+    (3, 3, "upper_left"): [[T, F, F], [T, T, F], [T, T, T]],
+    (2, 4, "lower_right"): [[T, T, T, F], [T, T, T, T]],
+    (2, 4, "upper_left"): [[T, F, F, F], [T, T, F, F]],
+    (4, 2, "lower_right"): [[F, F], [F, F], [T, F], [T, T]],
+    (4, 2, "upper_left"): [[T, F], [T, T], [T, T], [T, T]],
+    (1, 3, "lower_right"): [[T, T, T]],
+    (1, 3, "upper_left"): [[T, F, F]],
+}
+
+
+@pytest.mark.parametrize(("lq", "lk", "align"), list(CAUSAL_EXPECTED), ids=str)
+def test_causal_mask(backend: Backend, xp_arg: Any, lq: int, lk: int | None, align: str) -> None:
+    args = (lq,) if lk is None else (lq, lk)
+    result = masks.causal_mask(*args, align=align, xp=xp_arg)
+    check_mask(backend, result, CAUSAL_EXPECTED[(lq, lk, align)])
+
+
+def test_causal_mask_default_align_is_lower_right(backend: Backend, xp: Any) -> None:
+    result = masks.causal_mask(2, 4, xp=xp)
+    check_mask(backend, result, CAUSAL_EXPECTED[(2, 4, "lower_right")])
+
+
+def test_causal_mask_default_xp_is_numpy() -> None:
+    result = masks.causal_mask(2, 4)
+    assert type(result) is np.ndarray
+    assert result.dtype == np.bool_
+    np.testing.assert_array_equal(result, CAUSAL_EXPECTED[(2, 4, "lower_right")])
+
+
+def test_causal_mask_device(backend: Backend) -> None:
+    dev = backend.extra.get("other_device", backend.device)
+    result = masks.causal_mask(2, 4, xp=backend.xp, device=dev)
+    check_mask(backend, result, CAUSAL_EXPECTED[(2, 4, "lower_right")], device=dev)
+
+
+# ------------------------------------------------------------------------------------------
+# window_mask
+
+WINDOW_EXPECTED = {
+    # (lq, lk, window, align): expected
+    (4, 4, 1, "lower_right"): [
+        [T, T, F, F],
+        [T, T, T, F],
+        [F, T, T, T],
+        [F, F, T, T],
+    ],
+    (3, 5, (1, 0), "lower_right"): [  # p = i + 2
+        [F, T, T, F, F],
+        [F, F, T, T, F],
+        [F, F, F, T, T],
+    ],
+    (3, 5, (1, 0), "upper_left"): [  # p = i
+        [T, F, F, F, F],
+        [T, T, F, F, F],
+        [F, T, T, F, F],
+    ],
+    (3, 5, (None, 0), "lower_right"): [
+        [T, T, T, F, F],
+        [T, T, T, T, F],
+        [T, T, T, T, T],
+    ],
+    (3, 5, (0, None), "upper_left"): [
+        [T, T, T, T, T],
+        [F, T, T, T, T],
+        [F, F, T, T, T],
+    ],
+    (3, 5, (None, None), "lower_right"): [[T] * 5] * 3,
+    (3, 5, 0, "lower_right"): [
+        [F, F, T, F, F],
+        [F, F, F, T, F],
+        [F, F, F, F, T],
+    ],
+    (4, 2, (0, 1), "lower_right"): [  # p = i - 2
+        [F, F],
+        [T, F],
+        [T, T],
+        [F, T],
+    ],
+}
+
+
+@pytest.mark.parametrize(("lq", "lk", "window", "align"), list(WINDOW_EXPECTED), ids=str)
+def test_window_mask(
+    backend: Backend, xp_arg: Any, lq: int, lk: int, window: Any, align: str
+) -> None:
+    result = masks.window_mask(lq, lk, window, align=align, xp=xp_arg)
+    check_mask(backend, result, WINDOW_EXPECTED[(lq, lk, window, align)])
+
+
+def test_window_mask_default_align_and_device(backend: Backend) -> None:
+    dev = backend.extra.get("other_device", backend.device)
+    result = masks.window_mask(3, 5, (1, 0), xp=backend.xp, device=dev)
+    check_mask(backend, result, WINDOW_EXPECTED[(3, 5, (1, 0), "lower_right")], device=dev)
+
+
+def test_window_mask_default_xp_is_numpy() -> None:
+    result = masks.window_mask(4, 4, 1)
+    assert type(result) is np.ndarray
+    np.testing.assert_array_equal(result, WINDOW_EXPECTED[(4, 4, 1, "lower_right")])
+
+
+@pytest.mark.parametrize("window", [-1, (-1, 0), (0, -2)])
+def test_window_mask_negative(window: Any) -> None:
+    with pytest.raises(ValueError, match="window"):
+        masks.window_mask(3, 3, window)
+
+
+def test_causal_mask_bad_align() -> None:
+    with pytest.raises(ValueError, match="align"):
+        masks.causal_mask(3, 3, align="lower_left")
+
+
+# ------------------------------------------------------------------------------------------
+# Builders that take arrays: namespace and device come from the arrays
+
+
+def test_key_padding_mask(backend: Backend) -> None:
+    lengths = backend.asarray(np.array([1, 3, 0, 4]))
+    result = masks.key_padding_mask(lengths, 4)
+    expected = np.array(
+        [[T, F, F, F], [T, T, T, F], [F, F, F, F], [T, T, T, T]], dtype=bool
+    ).reshape(4, 1, 1, 4)
+    check_mask(backend, result, expected)
+
+
+def test_padding_mask_from_tokens(backend: Backend) -> None:
+    tokens = backend.asarray(np.array([[5, 0, 3, 0], [0, 0, 1, 2], [7, 7, 7, 7]]))
+    result = masks.padding_mask_from_tokens(tokens, 0)
+    expected = np.array([[T, F, T, F], [F, F, T, T], [T, T, T, T]], dtype=bool).reshape(3, 1, 1, 4)
+    check_mask(backend, result, expected)
+    result = masks.padding_mask_from_tokens(tokens, 7)
+    expected = np.array([[T, T, T, T], [T, T, T, T], [F, F, F, F]], dtype=bool).reshape(3, 1, 1, 4)
+    check_mask(backend, result, expected)
+
+
+def test_segment_mask(backend: Backend) -> None:
+    qs = backend.asarray(np.array([[0, 0, 1], [2, 2, 2]]))
+    ks = backend.asarray(np.array([[0, 1, 1, 1], [2, 3, 3, 2]]))
+    result = masks.segment_mask(qs, ks)
+    expected = np.array(
+        [
+            [[T, F, F, F], [T, F, F, F], [F, T, T, T]],
+            [[T, F, F, T], [T, F, F, T], [T, F, F, T]],
+        ],
+        dtype=bool,
+    ).reshape(2, 1, 3, 4)
+    check_mask(backend, result, expected)
+
+
+def test_segment_mask_self(backend: Backend) -> None:
+    qs = backend.asarray(np.array([[0, 0, 1], [4, 5, 5]]))
+    result = masks.segment_mask(qs)
+    expected = np.array(
+        [
+            [[T, T, F], [T, T, F], [F, F, T]],
+            [[T, F, F], [F, T, T], [F, T, T]],
+        ],
+        dtype=bool,
+    ).reshape(2, 1, 3, 3)
+    check_mask(backend, result, expected)
+
+
+def test_combine(backend: Backend) -> None:
+    a = backend.asarray(np.array([[T, F, T], [T, T, F]]))  # [Lq=2, Lk=3]
+    b = backend.asarray(np.array([T, T, F, F, T, T]).reshape(2, 1, 1, 3))  # [B=2,1,1,Lk]
+    result = masks.combine(a, None, b)
+    expected = np.array(
+        [
+            [[[T, F, F], [T, T, F]]],
+            [[[F, F, T], [F, T, F]]],
+        ],
+        dtype=bool,
+    )
+    check_mask(backend, result, expected)
+    check_mask(backend, masks.combine(a), [[T, F, T], [T, T, F]])
+    check_mask(backend, masks.combine(None, a, None), [[T, F, T], [T, T, F]])
+
+
+def test_combine_all_none() -> None:
+    assert masks.combine(None, None) is None
+    assert masks.combine(None) is None
+    assert masks.combine() is None
+
+
+def test_combined_masks_in_attend(backend: Backend) -> None:
+    """A combined padding/segment/causal mask used in attend() equals the oracle with it."""
+    from portable_attention import attend
+
+    import oracle
+    from helpers import assert_close, randn, rng_for
+
+    tokens_np = np.array([[3, 4, 5, 0, 0], [1, 2, 3, 4, 5]])
+    seg_np = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    m = masks.combine(
+        masks.padding_mask_from_tokens(backend.asarray(tokens_np), 0),
+        masks.segment_mask(backend.asarray(seg_np)),
+        masks.causal_mask(5, xp=backend.xp),
+    )
+    expected = (
+        (tokens_np != 0)[:, None, None, :]
+        & (seg_np[:, None, :, None] == seg_np[:, None, None, :])
+        & np.tril(np.ones((5, 5), dtype=bool))
+    )
+    check_mask(backend, m, expected)
+    rng = rng_for("combined-in-attend")
+    qn, kn, vn = (randn(rng, (2, 2, 5, 4)) for _ in range(3))
+    q, k, v = (backend.asarray(a) for a in (qn, kn, vn))
+    out = attend(q, k, v, mask=m)
+    assert_close(backend.to_numpy(out), oracle.attention(qn, kn, vn, mask=expected)[0], "float64")
