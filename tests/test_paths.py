@@ -1,0 +1,229 @@
+"""The paths behind ``implementation="auto"``: which one plan() names and why, that each
+agrees with the portable path and the oracle, and that decisions never depend on data."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import attend, plan
+
+import oracle
+from conftest import BY_NAME, Backend, requires_backend
+from helpers import assert_close, assert_like, randn, rng_for
+
+
+def _qkv(backend: Backend, shape_q: tuple, shape_kv: tuple, dtype: str = "float32") -> tuple:
+    rng = rng_for("paths", shape_q, shape_kv)
+    return tuple(backend.asarray(randn(rng, s), dtype) for s in (shape_q, shape_kv, shape_kv))
+
+
+# ------------------------------------------------------------------------------------------
+# What plan() names, per framework
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize(
+    ("kwargs", "path", "reason"),
+    [
+        ({}, "fused:torch", "scaled_dot_product_attention"),
+        ({"causal": True}, "fused:torch", "scaled_dot_product_attention"),
+        ({"window": (2, 1)}, "fused:torch", "scaled_dot_product_attention"),
+        ({"return_weights": True}, "portable", "return_weights"),
+        ({"return_lse": True}, "portable", "return_lse"),
+        ({"softcap": 2.0}, "portable", "softcap"),
+        ({"dropout": 0.1, "rng": "seeded"}, "portable", "rng"),
+        ({"dropout": 0.1}, "fused:torch", "scaled_dot_product_attention"),
+        ({"chunk_size": 4}, "portable:chunked", "chunk_size"),
+    ],
+)
+def test_torch_plan(kwargs: dict, path: str, reason: str) -> None:
+    import torch
+
+    backend = BY_NAME["torch"]
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    if kwargs.get("rng") == "seeded":
+        kwargs = {**kwargs, "rng": torch.Generator().manual_seed(0)}
+    p = plan(q, k, v, **kwargs)
+    assert p.path == path
+    assert reason in p.reason
+
+
+@requires_backend("jax")
+def test_jax_plan_on_cpu_prefers_portable_by_measurement() -> None:
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    auto = plan(q, k, v)
+    assert auto.path == "portable"
+    assert "CPU" in auto.reason and "measured" in auto.reason
+    assert plan(q, k, v, implementation="fused").path == "fused:jax"
+    q64, k64, v64 = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8), "float64")
+    with pytest.raises(ValueError, match="float64"):
+        plan(q64, k64, v64, implementation="fused")
+    qh, kh, vh = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8), "bfloat16")
+    with pytest.raises(ValueError, match="bfloat16"):
+        plan(qh, kh, vh, implementation="fused")
+
+
+@requires_backend("numpy")
+def test_numpy_plan_is_native() -> None:
+    backend = BY_NAME["numpy"]
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    p = plan(q, k, v, return_weights=True, causal=True, softcap=3.0)
+    assert p.path == "native:numpy"
+    assert "no fused attention kernel" in p.reason
+    assert plan(q, k, v, chunk_size=8).path == "portable:chunked"
+    assert plan(q, k, v, implementation="portable").path == "portable"
+
+
+def test_large_dense_scores_take_the_chunked_path(backend: Backend) -> None:
+    """plan() only: 8 heads x 4096 x 4096 float64 scores would take 1 GiB."""
+    if backend.name == "numpy":
+        pytest.skip("NumPy's native kernel blocks its queries itself")
+    q, k, v = _qkv(backend, (1, 8, 4096, 4), (1, 8, 4096, 4), "float64")
+    p = plan(q, k, v, implementation="portable")
+    assert p.path == "portable:chunked"
+    assert "MiB" in p.reason
+    assert plan(q, k, v, implementation="portable", return_weights=True).path == "portable"
+
+
+def test_plan_is_cached_per_options_not_data(backend: Backend) -> None:
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    q2 = backend.asarray(-backend.to_numpy(q), "float32")
+    first = plan(q, k, v, causal=True)
+    assert plan(q2, k, v, causal=True) is first
+    assert plan(q, k, v, causal=True, return_weights=True) is not first
+
+
+def test_plan_cache_is_thread_safe(backend: Backend) -> None:
+    """Concurrent first calls with many distinct options agree with serial ones."""
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    options = [{"chunk_size": c, "window": w} for c in range(1, 9) for w in range(3)]
+    results: dict[int, list[Any]] = {i: [] for i in range(len(options))}
+    barrier = threading.Barrier(4)
+
+    def work() -> None:
+        barrier.wait()
+        for i, kw in enumerate(options):
+            results[i].append(plan(q, k, v, **kw))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, kw in enumerate(options):
+        assert len({id(p) for p in results[i]}) == 1
+        assert results[i][0] == plan(q, k, v, **kw)
+
+
+# ------------------------------------------------------------------------------------------
+# Agreement between paths on shapes where blocks, threads and skipping matter
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"causal": True},
+        {"causal": "upper_left", "window": (5, None)},
+        {"window": (3, 2), "softcap": 4.0},
+    ],
+    ids=["plain", "causal", "upper_left_window", "window_softcap"],
+)
+@pytest.mark.parametrize("chunk", [7, 32])
+def test_chunked_agrees_with_dense_on_many_blocks(
+    backend: Backend, kwargs: dict, chunk: int
+) -> None:
+    """Lq != Lk, several query and key blocks, blocks skipped by causal/window, GQA."""
+    q, k, v = _qkv(backend, (1, 4, 45, 8), (1, 2, 70, 8), "float64")
+    dense_out, dense_lse = attend(q, k, v, implementation="portable", return_lse=True, **kwargs)
+    out, lse = attend(q, k, v, chunk_size=chunk, return_lse=True, **kwargs)
+    assert_like(out, q, shape=(1, 4, 45, 8), dtype=q.dtype)
+    assert_close(backend.to_numpy(out), backend.to_numpy(dense_out), "float64")
+    d_lse, c_lse = backend.to_numpy(dense_lse), backend.to_numpy(lse)
+    np.testing.assert_array_equal(np.isneginf(c_lse), np.isneginf(d_lse))
+    finite = np.isfinite(d_lse)
+    assert_close(c_lse[finite], d_lse[finite], "float64", what="lse")
+
+
+@requires_backend("numpy")
+def test_numpy_threaded_kernel_matches_oracle() -> None:
+    """Big enough for the NumPy kernel's threads (2M scores) and several query blocks."""
+    rng = rng_for("threads")
+    q, k, v = (randn(rng, (1, 8, 512, 16)).astype(np.float32) for _ in range(3))
+    mask = rng.random((512, 512)) < 0.9
+    mask[7] = False
+    assert plan(q, k, v, mask=mask).path == "native:numpy"
+    out, lse = attend(q, k, v, mask=mask, causal=True, return_lse=True)
+    ref_out, _, ref_lse = oracle.attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask, causal=True
+    )
+    assert_close(out.astype(np.float64), ref_out, "float32")
+    assert np.all(out[:, :, 7] == 0) and np.all(np.isneginf(lse[:, :, 7]))
+    assert_close(lse[:, :, 8:].astype(np.float64), ref_lse[:, :, 8:], "float32", what="lse")
+
+
+@requires_backend("torch")
+def test_torch_fused_gqa_lower_right_and_empty_rows() -> None:
+    """SDPA with enable_gqa, lower-right causal for Lq > Lk (first rows see no key)."""
+    backend = BY_NAME["torch"]
+    q, k, v = _qkv(backend, (2, 8, 9, 8), (2, 2, 5, 8), "float64")
+    assert plan(q, k, v, causal=True).path == "fused:torch"
+    out = attend(q, k, v, causal=True)
+    ref = oracle.attention(*(backend.to_numpy(a) for a in (q, k, v)), causal=True)[0]
+    assert_close(backend.to_numpy(out), ref, "float64")
+    assert np.all(backend.to_numpy(out)[:, :, :4] == 0)
+
+
+@requires_backend("torch")
+def test_torch_compile_fullgraph() -> None:
+    import torch
+
+    backend = BY_NAME["torch"]
+    q, k, v = _qkv(backend, (2, 4, 6, 8), (2, 2, 6, 8))
+    compiled = torch.compile(lambda a, b, c: attend(a, b, c, causal=True), fullgraph=True)
+    expected = attend(q, k, v, causal=True)
+    torch.testing.assert_close(compiled(q, k, v), expected)
+
+
+@requires_backend("jax")
+def test_jax_fused_under_jit_vmap_grad() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (2, 4, 6, 8), (2, 2, 9, 8))
+    mask = jnp.asarray(rng_for("jaxmask").random((6, 9)) < 0.6).at[2].set(False)
+
+    def loss(impl: str) -> Any:
+        return lambda a: jnp.sum(attend(a, k, v, mask=mask, implementation=impl) ** 2)
+
+    fused = jax.jit(lambda a: attend(a, k, v, mask=mask, implementation="fused"))(q)
+    portable = attend(q, k, v, mask=mask, implementation="portable")
+    assert_close(backend.to_numpy(fused), backend.to_numpy(portable), "float32")
+    assert np.all(backend.to_numpy(fused)[:, :, 2] == 0)
+    g_fused = jax.grad(loss("fused"))(q)
+    g_portable = jax.grad(loss("portable"))(q)
+    assert bool(jnp.all(jnp.isfinite(g_fused)))
+    assert_close(backend.to_numpy(g_fused), backend.to_numpy(g_portable), "float32")
+    batched = jax.vmap(lambda a: attend(a, k[0], v[0], implementation="fused"))(q)
+    assert batched.shape == (2, 4, 6, 8)
+
+
+def test_cupy_via_torch() -> None:
+    """Runs only where CuPy and a CUDA GPU exist; skips cleanly elsewhere."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    rng = rng_for("cupy")
+    q, k, v = (cupy.asarray(randn(rng, (2, 4, 16, 8)), dtype=cupy.float32) for _ in range(3))
+    out = attend(q, k, v, causal=True)
+    assert isinstance(out, cupy.ndarray)
+    ref = oracle.attention(*(cupy.asnumpy(a).astype(np.float64) for a in (q, k, v)), causal=True)
+    assert_close(cupy.asnumpy(out).astype(np.float64), ref[0], "float32")
