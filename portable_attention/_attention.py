@@ -6,8 +6,13 @@ from typing import Any
 
 from portable_attention import _core
 from portable_attention._plan import CHUNKED, Plan, choose
-from portable_attention._validate import Call, check_implementation, validate_call
+from portable_attention._validate import Call, call_key, check_implementation, validate_call
 from portable_attention.backends import adapter
+
+#: Validated calls and their paths by :func:`call_key`: a repeated call (same types,
+#: shapes, dtypes, devices and options) skips validation and planning. Never data.
+_calls: dict[Any, tuple[Call, str]] = {}
+_CALLS_MAX = 4096
 
 
 def attend(
@@ -93,23 +98,32 @@ def attend(
         Mismatched shapes, ranks, heads or devices, bad option values, or
         ``implementation="fused"`` where no fused kernel applies.
     """
-    call = validate_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        window=window,
-        scale=scale,
-        softcap=softcap,
-        dropout=dropout,
-        rng=rng,
-        chunk_size=chunk_size,
-        return_weights=return_weights,
-        return_lse=return_lse,
-    )
-    path = choose(call, check_implementation(implementation)).path
+    options = (causal, window, scale, softcap, dropout, rng is not None, chunk_size)
+    key = call_key(q, k, v, mask, bias, (*options, return_weights, return_lse, implementation))
+    known = _calls.get(key) if key is not None else None
+    if known is None:
+        call = validate_call(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            dropout=dropout,
+            rng=rng,
+            chunk_size=chunk_size,
+            return_weights=return_weights,
+            return_lse=return_lse,
+        )
+        known = (call, choose(call, check_implementation(implementation)).path)
+        if key is not None:
+            if len(_calls) >= _CALLS_MAX:
+                _calls.clear()
+            _calls[key] = known
+    call, path = known
     backend = adapter(call.backend)
     keep = _keep_mask(call, rng)
     if path.startswith("fused"):

@@ -49,6 +49,11 @@ class Call:
         return "upper_left" if self.causal == "upper_left" else "lower_right"
 
     @property
+    def grouped(self) -> bool:
+        """Grouped-query (or multi-query) heads: ``Hq != Hk``."""
+        return len(self.q_shape) > 2 and self.q_shape[-3] != self.k_shape[-3]
+
+    @property
     def heads(self) -> tuple[int, int]:
         """``(Hq, Hk)``; 2-D inputs have one implicit head."""
         if len(self.q_shape) == 2:
@@ -414,6 +419,51 @@ def validate_call(
         return_weights=bool(return_weights),
         return_lse=bool(return_lse),
     )
+
+
+def _signature(x: Any) -> tuple[Any, ...] | None:
+    if x is None:
+        return None
+    return (type(x), x.shape, x.dtype, _TYPES[type(x)][2](x))
+
+
+def _typed(option: object) -> object:
+    if isinstance(option, tuple):
+        return (tuple, *(_typed(o) for o in option))
+    return (type(option), option)
+
+
+def call_key(q: Any, k: Any, v: Any, mask: Any, bias: Any, options: tuple[Any, ...]) -> Any:
+    """A hashable key that determines the :class:`Call` of these arguments, or None.
+
+    Built from array types, shapes, dtypes and devices and from the option values with
+    their types (``causal=1`` must not hit the entry of ``causal=True``). None where any
+    part is unhashable or unknown (a type not yet validated, lists, traced values):
+    such calls are validated in full.
+    """
+    try:
+        device = _TYPES[type(q)][2]
+        key = (
+            type(q),
+            type(k),
+            type(v),
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            device(q),
+            device(k),
+            device(v),
+            _signature(mask),
+            _signature(bias),
+            *map(_typed, options),
+        )
+        hash(key)
+    except Exception:  # anything unusual is validated in full
+        return None
+    return key
 
 
 def rng_type_error(backend: str, expected: str, rng: object) -> TypeError:

@@ -32,8 +32,9 @@ __all__ = ["NATIVE_PATH", "RNG", "keep_mask", "native_reason", "run_native"]
 NATIVE_PATH = "native:numpy"
 NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, query blocks on all cores)"
 
-#: Scores per query block, over all batch and head dims (4 MiB of float32).
-_BLOCK_ELEMENTS = 1 << 20
+#: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
+#: blocks measured faster here (L=16384: 7.3 s at 4M scores per block, 15.4 s at 1M).
+_BLOCK_ELEMENTS = 1 << 22
 #: Below this many scores in all, threads cost more than they give.
 _THREADS_MIN_ELEMENTS = 1 << 21
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -83,15 +84,18 @@ def run_native(
     out = np.empty((*lead, lq, call.v_shape[-1]), dtype=ct)
     lse = np.empty((*lead, lq), dtype=ct) if call.return_lse else None
     weights = np.empty((*lead, lq, lk), dtype=ct) if call.return_weights else None
+    scores = math.prod(lead) * lq * lk
+    big = scores >= _THREADS_MIN_ELEMENTS and keep is None and _WORKERS > 1
+    blas = _blas_controller() if big else None
     rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(lead) * lk))
+    if blas is not None:
+        rows_per_block = min(rows_per_block, -(-lq // _WORKERS))  # work for every thread
     blocks = [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
 
     def run(rows: tuple[int, int]) -> None:
         _block(call, ops, v_sum, rows, keep, out, weights, lse)
 
-    big = math.prod(lead) * lq * lk >= _THREADS_MIN_ELEMENTS
-    blas = _blas_controller() if big and keep is None and len(blocks) > 1 else None
-    if blas is not None and _WORKERS > 1:
+    if blas is not None and len(blocks) > 1:
         with blas.limit(limits=1, user_api="blas"):
             list(_executor().map(run, blocks))
     else:

@@ -16,6 +16,7 @@ RNG = "a torch.Generator on the arrays' device (or None for torch's global RNG)"
 
 _VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _HAS_GQA = _VERSION >= (2, 5)
+_GQA_KWARGS: dict[bool, dict[str, bool]] = {True: {"enable_gqa": True}, False: {}}
 
 
 def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
@@ -46,7 +47,7 @@ def fused_reason(call: _validate.Call) -> str | None:
         )
     if call.chunk_size is not None:
         return "chunk_size asks for the portable chunked path"
-    if call.heads[0] != call.heads[1] and not _HAS_GQA:
+    if call.grouped and not _HAS_GQA:
         return (
             f"grouped-query heads need SDPA's enable_gqa (torch >= 2.5, have {torch.__version__})"
         )
@@ -55,6 +56,8 @@ def fused_reason(call: _validate.Call) -> str | None:
 
 def _sdpa_mask(call: _validate.Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """SDPA's single ``attn_mask`` (bool or additive) and ``is_causal`` for ``call``."""
+    if mask is None and bias is None and call.causal is None and call.window is None:
+        return None, False
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     causal_only = call.causal is not None and call.window is None
     if causal_only and mask is None and bias is None and (lq == lk or call.align == "upper_left"):
@@ -83,7 +86,7 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
         dropout_p=call.dropout,
         is_causal=is_causal,
         scale=call.scale,
-        **({"enable_gqa": True} if call.heads[0] != call.heads[1] else {}),
+        **_GQA_KWARGS[call.grouped],  # enable_gqa exists only from torch 2.5
     )
     if attn_mask is not None and q.device.type != "cpu":
         # Only SDPA's CPU kernels are verified to give 0 on rows with no key.
