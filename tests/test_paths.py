@@ -227,3 +227,27 @@ def test_cupy_via_torch() -> None:
     assert isinstance(out, cupy.ndarray)
     ref = oracle.attention(*(cupy.asnumpy(a).astype(np.float64) for a in (q, k, v)), causal=True)
     assert_close(cupy.asnumpy(out).astype(np.float64), ref[0], "float32")
+
+
+def test_repeated_calls_revalidate_option_types(backend: Backend) -> None:
+    """The memo of validated calls keys options by type: after causal=True and
+    window=(2, 1) succeed, causal=1 and window=(2, True) still raise."""
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    for _ in range(2):
+        attend(q, k, v, causal=True, window=(2, 1))
+    with pytest.raises(TypeError, match="`causal`"):
+        attend(q, k, v, causal=1, window=(2, 1))
+    with pytest.raises(ValueError, match="`window`"):
+        attend(q, k, v, causal=True, window=(2, True))
+
+
+def test_repeated_calls_see_new_shapes_and_dtypes(backend: Backend) -> None:
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    for _ in range(2):
+        attend(q, k, v)
+    k_bad, _, _ = _qkv(backend, (2, 2, 7, 6), (2, 2, 7, 6))
+    with pytest.raises(ValueError, match="Dk"):
+        attend(q, k_bad, v)
+    q64 = backend.asarray(backend.to_numpy(q), "float64")
+    with pytest.raises(TypeError, match="dtype"):
+        attend(q64, k, v)
