@@ -4,7 +4,7 @@ For each installed backend and shape it prints our time (``attend`` with
 ``implementation="auto"``, the path ``plan()`` names), the anchor's time on the same
 arrays in the same run, the throughput ratio ``anchor_time / our_time`` (>= 1 means we
 are faster), GFLOP/s and the process's peak RSS so far. Times are medians of several
-repetitions after warm-up. Anchors: torch SDPA called directly,
+repetitions after warm-up, alternating ours and the anchor. Anchors: torch SDPA called directly,
 ``jax.nn.dot_product_attention`` under ``jax.jit``, and for NumPy the seed-style formula
 (matmul, divide by sqrt(d), subtract max, exp, divide by sum, matmul) and torch SDPA.
 
@@ -34,20 +34,32 @@ SHAPES = [(1, 8, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64)]
 DECODE = ((1, 8, 1, 64), (1, 8, 512, 64))  # one query against a 512-key cache
 
 
-def _median_seconds(fn: Callable[[], Any], *, budget: float = 1.0, repeats: int = 7) -> float:
-    """Median wall time of ``fn()``: warm-up, then ``repeats`` timings of batched calls."""
+def _calibrate(fn: Callable[[], Any], budget: float, repeats: int) -> int:
     fn()
     start = time.perf_counter()
     fn()
     once = max(time.perf_counter() - start, 1e-7)
-    inner = max(1, min(10_000, int(budget / repeats / once)))
-    samples = []
+    return max(1, min(10_000, int(budget / repeats / once)))
+
+
+def _medians(
+    ours: Callable[[], Any], anchor: Callable[[], Any], *, budget: float = 1.0, repeats: int = 9
+) -> tuple[float, float]:
+    """Median seconds per call of ``ours`` and ``anchor`` after warm-up.
+
+    Samples alternate between the two (ours, anchor, ours, ...) so that drift in the
+    machine's speed hits both alike; each sample times a batch of calls.
+    """
+    n_ours = _calibrate(ours, budget / 2, repeats)
+    n_anchor = _calibrate(anchor, budget / 2, repeats)
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+        for fn, n, out in ((ours, n_ours, samples[0]), (anchor, n_anchor, samples[1])):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out.append((time.perf_counter() - start) / n)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def _peak_rss_mib() -> float:
@@ -99,15 +111,19 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
         q, k, v = _inputs(qs, kvs)
         flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
         path = plan(q, k, v).path
-        ours = _median_seconds(lambda: attend(q, k, v), budget=budget)  # noqa: B023
-        seed = _median_seconds(lambda: seed_formula(q, k, v), budget=budget)  # noqa: B023
+        ours, seed = _medians(
+            lambda: attend(q, k, v),  # noqa: B023
+            lambda: seed_formula(q, k, v),  # noqa: B023
+            budget=budget,
+        )
         rows.append(_row("numpy", name, path, ours, "seed formula", seed, flops))
         if has_torch:
             import torch
             import torch.nn.functional as F
 
             tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-            sdpa = _median_seconds(
+            ours, sdpa = _medians(
+                lambda: attend(q, k, v),  # noqa: B023
                 lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
                 budget=budget,
             )
@@ -123,8 +139,8 @@ def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
         flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
         with torch.inference_mode():
             path = plan(q, k, v).path
-            ours = _median_seconds(lambda: attend(q, k, v), budget=budget)  # noqa: B023
-            sdpa = _median_seconds(
+            ours, sdpa = _medians(
+                lambda: attend(q, k, v),  # noqa: B023
                 lambda: F.scaled_dot_product_attention(q, k, v),  # noqa: B023
                 budget=budget,
             )
@@ -145,11 +161,8 @@ def _bench_jax(rows: list[dict[str, Any]], budget: float) -> None:
         q, k, v = (jnp.asarray(x) for x in _inputs(qs, kvs))
         flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
         path = plan(q, k, v).path
-        ours = _median_seconds(
+        ours, theirs = _medians(
             lambda: ours_fn(q, k, v).block_until_ready(),  # noqa: B023
-            budget=budget,
-        )
-        theirs = _median_seconds(
             lambda: anchor_fn(q, k, v).block_until_ready(),  # noqa: B023
             budget=budget,
         )
