@@ -186,7 +186,9 @@ def dense(
     """Attention with the full ``[..., Lq, Lk]`` score matrix.
 
     Returns ``(out, weights, lse)``: ``out [..., Hq, Lq, Dv]`` and ``weights`` (before
-    dropout) in the input dtype, ``lse [..., Hq, Lq]`` in the compute dtype.
+    dropout; None unless ``call.return_weights``) in the input dtype, ``lse [..., Hq, Lq]``
+    in the compute dtype. The softmax division is applied to ``out`` (``Lq*Dv``
+    divisions) rather than to the scores (``Lq*Lk``) unless the weights are wanted.
     """
     if call.k_shape[-2] == 0:
         return _empty_keys(call)
@@ -194,22 +196,25 @@ def dense(
     ops = operands(call, q, k, v, mask, bias)
     grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
     s = _masked_scores(call, ops, *grid, whole=True)
-    weights, lse = _softmax_lse(xp, s)
-    p = weights
+    e, denom, lse = _softmax_parts(xp, s)
+    p = e
     if keep_mask is not None:
         p = xp.where(keep_mask(tuple(s.shape)), p / (1.0 - call.dropout), 0.0)
-    out, lse = _finish(call, xp.matmul(p, ops.v), lse)
-    weights = xp.astype(
-        xp.reshape(weights, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype, copy=False
-    )
+    out, lse = _finish(call, xp.matmul(p, ops.v) / denom, lse)
+    weights = None
+    if call.return_weights:
+        weights = xp.astype(
+            xp.reshape(e / denom, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype, copy=False
+        )
     return out, weights, lse
 
 
-def _softmax_lse(xp: Any, s: Any) -> tuple[Any, Any]:
-    """Softmax over the last axis and its natural-log logsumexp.
+def _softmax_parts(xp: Any, s: Any) -> tuple[Any, Any, Any]:
+    """``(exp(s - max), row sums, lse)``: softmax = the first over the second.
 
-    Rows whose scores are all ``-inf`` give weights 0 and lse ``-inf`` with zero (finite)
-    gradients: every division and log sees a safe operand selected by ``where``.
+    Rows whose scores are all ``-inf`` give exps 0, a row sum replaced by 1 (so weights
+    and outputs are 0) and lse ``-inf``, with zero (finite) gradients: every division and
+    log sees a safe operand selected by ``where``.
     """
     m = xp.max(s, axis=-1, keepdims=True)
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
@@ -218,7 +223,7 @@ def _softmax_lse(xp: Any, s: Any) -> tuple[Any, Any]:
     has_key = denom > 0
     denom_safe = xp.where(has_key, denom, 1.0)
     lse = xp.where(has_key, xp.log(denom_safe) + m_safe, -xp.inf)
-    return e / denom_safe, lse[..., 0]
+    return e, denom_safe, lse[..., 0]
 
 
 def auto_chunk(call: Call) -> int:
