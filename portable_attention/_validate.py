@@ -505,6 +505,23 @@ def check_mask_array(name: str, x: Any, *, integer: bool = False) -> Any:
     return xp
 
 
+def check_bool_masks(named: dict[str, Any]) -> None:
+    """Masks to combine: arrays of one framework and device, boolean, shapes that broadcast."""
+    xp, _, _ = check_arrays(**named)
+    shape: tuple[int, ...] = ()
+    for name, m in named.items():
+        if not xp.isdtype(m.dtype, "bool"):
+            msg = f"`{name}` must be boolean (True = may attend), got dtype {m.dtype}."
+            raise TypeError(msg)
+        ms = _shape(m)
+        width = max(len(shape), len(ms))
+        padded = ((1,) * (width - len(shape)) + shape, (1,) * (width - len(ms)) + ms)
+        if any(a != b and 1 not in (a, b) for a, b in zip(*padded, strict=True)):
+            msg = f"`{name}` of shape {ms} does not broadcast with the masks before it {shape}."
+            raise ValueError(msg)
+        shape = tuple(b if a == 1 else a for a, b in zip(*padded, strict=True))
+
+
 def check_length(name: str, value: object) -> int:
     """A sequence length for the mask builders: an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

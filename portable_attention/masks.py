@@ -166,13 +166,8 @@ def combine(*masks: Any) -> Any:
 
     Returns ``None`` when every mask is ``None`` (no masking).
     """
-    present = [m for m in masks if m is not None]
-    if not present:
+    named = {f"masks[{i}]": m for i, m in enumerate(masks) if m is not None}
+    if not named:
         return None
-    _validate.check_arrays(**{f"masks[{i}]": m for i, m in enumerate(present)})
-    xp = array_api_compat.array_namespace(present[0])
-    for i, m in enumerate(present):
-        if not xp.isdtype(m.dtype, "bool"):
-            msg = f"`masks[{i}]` must be boolean (True = may attend), got dtype {m.dtype}."
-            raise TypeError(msg)
-    return reduce(lambda a, b: a & b, present)
+    _validate.check_bool_masks(named)
+    return reduce(lambda a, b: a & b, named.values())

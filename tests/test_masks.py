@@ -249,3 +249,13 @@ def test_combined_masks_in_attend(backend: Backend) -> None:
     q, k, v = (backend.asarray(a) for a in (qn, kn, vn))
     out = attend(q, k, v, mask=m)
     assert_close(backend.to_numpy(out), oracle.attention(qn, kn, vn, mask=expected)[0], "float64")
+
+
+def test_combine_names_the_mask_that_does_not_fit(backend: Backend) -> None:
+    a = backend.asarray(np.ones((3, 1), dtype=bool))
+    b = backend.asarray(np.ones((2, 4), dtype=bool))
+    with pytest.raises(ValueError, match=r"`masks\[2\]`.*\(2, 4\)"):
+        masks.combine(a, None, b)
+    f = backend.asarray(np.ones((3, 1)), "float32")
+    with pytest.raises(TypeError, match=r"`masks\[1\]`.*boolean"):
+        masks.combine(a, f)
