@@ -138,11 +138,15 @@ def attend(
 
 
 def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:
-    """The dropout keep-mask drawer from the framework's ``rng`` (checked even where a
-    fused kernel draws its own dropout); None without dropout."""
-    if call.dropout == 0:
+    """The dropout keep-mask drawer from the framework's ``rng``; None without dropout.
+
+    A given ``rng`` is checked even where it is not used (no dropout, or a fused kernel
+    drawing its own): a wrong generator is an error, never silently ignored.
+    """
+    if call.dropout == 0 and rng is None:
         return None
-    return adapter(call.backend).keep_mask(rng, call.dropout, call.xp, call.device)
+    keep = adapter(call.backend).keep_mask(rng, call.dropout, call.xp, call.device)
+    return keep if call.dropout > 0 else None
 
 
 def _pack(call: Call, out: Any, weights: Any, lse: Any) -> Any:

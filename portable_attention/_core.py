@@ -116,6 +116,22 @@ def structural_mask(
     )
 
 
+def kernel_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
+    """``(allowed, is_causal)`` for fused kernels whose causal flag is upper-left (SDPA,
+    jax.nn): the boolean mask of ``mask``, ``causal`` and ``window`` together, or
+    ``(None, True)`` where the kernel's own flag is exact and alone: causal with no mask,
+    bias or window, and ``Lq == Lk`` or upper-left alignment (no row is then empty).
+    """
+    exact = call.q_shape[-2] == call.k_shape[-2] or call.align == "upper_left"
+    alone = call.causal is not None and call.window is None and mask is None and bias is None
+    if alone and exact:
+        return None, True
+    allowed = structural_mask(call, device=call.device)
+    if mask is not None:
+        allowed = mask if allowed is None else (mask & allowed)
+    return allowed, False
+
+
 def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
     if call.causal is None and call.window is None:
@@ -159,7 +175,7 @@ def _masked_scores(
 
 
 def _empty_keys(call: Call) -> tuple[Any, Any, Any]:
-    """Lk == 0: every row is fully masked (a static-shape case, decided without data)."""
+    """Lk == 0 (every row is fully masked) or Lq == 0: static shapes, decided without data."""
     xp, lead_q, dev = call.xp, call.q_shape[:-1], call.device
     out = xp.zeros((*lead_q, call.v_shape[-1]), dtype=call.dtype, device=dev)
     weights = xp.zeros((*lead_q, 0), dtype=call.dtype, device=dev)
@@ -246,7 +262,7 @@ def chunked(
 
     Blocks that ``causal``/``window`` mask entirely are skipped without computing them.
     """
-    if call.k_shape[-2] == 0:
+    if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
         out, _, lse = _empty_keys(call)
         return out, lse
     xp = call.xp

@@ -318,7 +318,16 @@ def normalize_window(window: object) -> tuple[int | None, int | None] | None:
 
 
 def _real_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if getattr(value, "requires_grad", False):
+        msg = (
+            f"`{name}` must be a Python float, got a tensor that requires grad; its gradient "
+            "would be lost: multiply q (or the scores' inputs) by it instead."
+        )
+        raise TypeError(msg)
+    if isinstance(value, (bool, str)):
+        msg = f"`{name}` must be a Python float, got {value!r} of type {_type_name(value)}."
+        raise TypeError(msg)
+    if not isinstance(value, (int, float)):
         try:
             value = float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
         except (TypeError, ValueError):
@@ -427,9 +436,16 @@ def _signature(x: Any) -> tuple[Any, ...] | None:
     return (type(x), x.shape, x.dtype, _TYPES[type(x)][2](x))
 
 
+_KEYABLE = (bool, int, float, str, type(None))
+
+
 def _typed(option: object) -> object:
+    """An option as part of a memo key: builtin values with their type, else TypeError
+    (a tensor is hashable by identity but can change in place: never memoised)."""
     if isinstance(option, tuple):
         return (tuple, *(_typed(o) for o in option))
+    if type(option) not in _KEYABLE:
+        raise TypeError
     return (type(option), option)
 
 
@@ -520,6 +536,23 @@ def check_bool_masks(named: dict[str, Any]) -> None:
             msg = f"`{name}` of shape {ms} does not broadcast with the masks before it {shape}."
             raise ValueError(msg)
         shape = tuple(b if a == 1 else a for a, b in zip(*padded, strict=True))
+
+
+def check_namespace(xp: object) -> None:
+    """``xp=`` of the mask builders: an array namespace or a framework module."""
+    if not callable(getattr(xp, "asarray", None)) or not callable(getattr(xp, "arange", None)):
+        msg = (
+            f"`xp` must be an array namespace or framework module (numpy, torch, jax.numpy, "
+            f"cupy, array_api_strict), got {xp!r}."
+        )
+        raise TypeError(msg)
+
+
+def check_ndim(name: str, x: Any, least: int, layout: str) -> None:
+    """A mask-builder array with at least ``least`` dims."""
+    if x.ndim < least:
+        msg = f"`{name}` must have shape {layout}, got {tuple(x.shape)}."
+        raise ValueError(msg)
 
 
 def check_length(name: str, value: object) -> int:

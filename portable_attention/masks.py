@@ -28,6 +28,7 @@ def _namespace(xp: Any) -> Any:
     """The array-API namespace for ``xp`` (None means NumPy)."""
     if xp is None:
         import numpy as xp
+    _validate.check_namespace(xp)
     return array_api_compat.array_namespace(xp.asarray(0))
 
 
@@ -130,16 +131,16 @@ def key_padding_mask(lengths: Any, lk: int) -> Any:
         msg = f"`lengths` must have shape [B], got {tuple(lengths.shape)}."
         raise ValueError(msg)
     device = array_api_compat.device(lengths)
-    positions = xp.reshape(xp.arange(lk, dtype=lengths.dtype, device=device), (1, 1, 1, lk))
+    # Positions in the default integer dtype: arange in a small dtype (uint8) would wrap.
+    positions = xp.reshape(xp.arange(lk, device=device), (1, 1, 1, lk))
+    lengths = xp.astype(lengths, positions.dtype)
     return positions < xp.reshape(lengths, (lengths.shape[0], 1, 1, 1))
 
 
 def padding_mask_from_tokens(tokens: Any, pad_id: int) -> Any:
     """``[B, 1, 1, L]`` mask from token ids ``[B, L]``: True where ``tokens != pad_id``."""
     xp = _validate.check_mask_array("tokens", tokens)
-    if tokens.ndim < 1:
-        msg = f"`tokens` must have shape [B, L], got {tuple(tokens.shape)}."
-        raise ValueError(msg)
+    _validate.check_ndim("tokens", tokens, 1, "[B, L]")
     shape = tuple(tokens.shape)
     return xp.reshape(tokens != pad_id, (*shape[:-1], 1, 1, shape[-1]))
 
@@ -154,6 +155,8 @@ def segment_mask(q_segments: Any, k_segments: Any = None) -> Any:
     if k_segments is None:
         k_segments = q_segments
     _validate.check_arrays(q_segments=q_segments, k_segments=k_segments)
+    _validate.check_ndim("q_segments", q_segments, 1, "[B, Lq]")
+    _validate.check_ndim("k_segments", k_segments, 1, "[B, Lk]")
     _validate.check_mask_shapes("q_segments", q_segments, "k_segments", k_segments, "batch dims")
     qs, ks = tuple(q_segments.shape), tuple(k_segments.shape)
     qcol = xp.reshape(q_segments, (*qs[:-1], 1, qs[-1], 1))

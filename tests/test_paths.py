@@ -251,3 +251,100 @@ def test_repeated_calls_see_new_shapes_and_dtypes(backend: Backend) -> None:
     q64 = backend.asarray(backend.to_numpy(q), "float64")
     with pytest.raises(TypeError, match="dtype"):
         attend(q64, k, v)
+
+
+# ------------------------------------------------------------------------------------------
+# Found in review: each of these once gave a wrong number or a backend traceback.
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize("empty_by", ["mask", "bias"])
+def test_jax_fused_causal_plus_mask_empty_row_is_zero(empty_by: str) -> None:
+    """causal=True with a mask/bias that empties row 0 together with causal: jax.nn's
+    is_causal must not hide the causal part from the empty-row repair."""
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (1, 2, 4, 8), (1, 2, 4, 8))
+    m = np.ones((4, 4), dtype=bool)
+    m[0] = False
+    m[0, 3] = True  # only a key that causal hides
+    b = np.where(m, 0.0, -np.inf)
+    kw = (
+        {"mask": backend.asarray(m)}
+        if empty_by == "mask"
+        else {"bias": backend.asarray(b, "float32")}
+    )
+    out = attend(q, k, v, causal=True, implementation="fused", **kw)
+    ref = oracle.attention(
+        *(backend.to_numpy(a) for a in (q, k, v)),
+        causal=True,
+        mask=m if empty_by == "mask" else None,
+        bias=None if empty_by == "mask" else b,
+    )[0]
+    assert np.all(backend.to_numpy(out)[:, :, 0] == 0)
+    assert_close(backend.to_numpy(out), ref, "float32")
+
+
+def test_chunked_with_no_queries(backend: Backend) -> None:
+    q, k, v = _qkv(backend, (2, 0, 8), (2, 5, 8))
+    out, lse = attend(q, k, v, chunk_size=4, return_lse=True)
+    assert tuple(out.shape) == (2, 0, 8) and tuple(lse.shape) == (2, 0)
+
+
+@requires_backend("torch")
+def test_tensor_options_are_not_memoised_by_identity() -> None:
+    import torch
+
+    backend = BY_NAME["torch"]
+    q, k, v = _qkv(backend, (1, 2, 4, 8), (1, 2, 4, 8))
+    attend(q, k, v)
+    t = torch.tensor(0.1)
+    first = attend(q, k, v, scale=t)
+    t.fill_(5.0)
+    torch.testing.assert_close(attend(q, k, v, scale=t), attend(q, k, v, scale=5.0))
+    assert not torch.allclose(first, attend(q, k, v, scale=5.0))
+    with pytest.raises(TypeError, match=r"`scale`.*requires grad"):
+        attend(q, k, v, scale=torch.tensor(1.0, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"scale": True}, TypeError, "scale"),
+        ({"scale": "0.5"}, TypeError, "scale"),
+        ({"softcap": True}, TypeError, "softcap"),
+        ({"dropout": "0.1"}, TypeError, "dropout"),
+        ({"rng": "seed"}, TypeError, "rng"),
+    ],
+)
+def test_options_of_the_wrong_type(backend: Backend, kwargs: dict, error: type, name: str) -> None:
+    q, k, v = _qkv(backend, (1, 2, 4, 8), (1, 2, 4, 8))
+    with pytest.raises(error, match=f"`{name}`"):
+        attend(q, k, v, **kwargs)
+
+
+@requires_backend("jax")
+def test_jax_batch_of_keys_is_refused() -> None:
+    import jax
+
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (1, 2, 4, 8), (1, 2, 4, 8))
+    with pytest.raises(TypeError, match="`rng`"):
+        attend(q, k, v, dropout=0.1, rng=jax.random.split(jax.random.key(0), 2))
+
+
+def test_key_padding_mask_small_integer_lengths(backend: Backend) -> None:
+    from portable_attention import masks
+
+    dtype = backend.xp.uint8 if hasattr(backend.xp, "uint8") else backend.int_dtype
+    lengths = backend.xp.asarray(np.array([200, 3]), dtype=dtype)
+    got = backend.to_numpy(masks.key_padding_mask(lengths, 300))
+    assert got.reshape(2, 300).sum(axis=1).tolist() == [200, 3]
+
+
+def test_mask_builders_name_bad_arguments() -> None:
+    from portable_attention import masks
+
+    with pytest.raises(TypeError, match="`xp`"):
+        masks.causal_mask(4, xp="numpy")
+    with pytest.raises(ValueError, match="`q_segments`"):
+        masks.segment_mask(np.array(1))

@@ -4,9 +4,11 @@ a ``cupy.random.Generator`` or ``RandomState``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Any
 
+import array_api_compat
 import cupy
 
 from portable_attention import _validate
@@ -59,16 +61,13 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
     tmask = None if mask is None else torch.from_dlpack(mask)
     tbias = None if bias is None else torch.from_dlpack(bias)
-    tcall = _validate.validate_call(
-        tq,
-        tk,
-        tv,
-        mask=tmask,
-        bias=tbias,
-        causal=call.causal or False,
-        window=call.window,
-        scale=call.scale,
-        dropout=call.dropout,
+    tcall = dataclasses.replace(
+        call,
+        xp=array_api_compat.array_namespace(tq),
+        backend="torch",
+        device=tq.device,
+        dtype=tq.dtype,
+        compute_dtype=_validate.compute_dtype_for(array_api_compat.array_namespace(tq), tq.dtype),
     )
     with torch.cuda.device(tq.device):
         out = torch_adapter.run_fused(tcall, tq, tk, tv, tmask, tbias)

@@ -21,7 +21,7 @@ def _is_key(rng: Any) -> bool:
     if not isinstance(rng, jax.Array):
         return False
     if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        return True
+        return rng.shape == ()  # one key, not a batch of keys
     return rng.dtype == jnp.uint32 and rng.shape == (2,)  # raw PRNGKey
 
 
@@ -84,7 +84,7 @@ def portable_preferred(call: _validate.Call) -> str | None:
     return None
 
 
-def _cudnn_qualifies(call: _validate.Call, mask: Any, bias: Any) -> bool:
+def _cudnn_qualifies(call: _validate.Call, allowed: Any, bias: Any) -> bool:
     d = call.q_shape[-1]
     half = call.compute_dtype != call.dtype
     return (
@@ -92,9 +92,8 @@ def _cudnn_qualifies(call: _validate.Call, mask: Any, bias: Any) -> bool:
         and half
         and d % 8 == 0
         and d <= 128
-        and mask is None
+        and allowed is None
         and bias is None
-        and call.window is None
     )
 
 
@@ -117,13 +116,7 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     """``out`` from jax.nn; rows with no key give 0 (jax.nn's mean(V) is replaced)."""
     lead = call.q_shape[:-3]
     batch = math.prod(lead)
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    allowed = _core.structural_mask(call)
-    is_causal = False
-    if call.causal is not None and call.window is None and (lq == lk or call.align == "upper_left"):
-        allowed, is_causal = None, True  # jax.nn's causal mask is upper-left: exact here
-    if mask is not None:
-        allowed = mask if allowed is None else (mask & allowed)
+    allowed, is_causal = _core.kernel_mask(call, mask, bias)
     allowed4 = None if allowed is None else _scores_operand(allowed, lead, batch)
     bias4 = None if bias is None else _scores_operand(bias, lead, batch)
     out = jax.nn.dot_product_attention(
@@ -134,7 +127,7 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
         mask=allowed4,
         scale=call.scale,
         is_causal=is_causal,
-        implementation="cudnn" if _cudnn_qualifies(call, mask, bias) else None,
+        implementation="cudnn" if _cudnn_qualifies(call, allowed, bias) else None,
     )
     out = jnp.swapaxes(out, 1, 2)  # [B, H, Lq, Dv]
     if allowed4 is not None or bias4 is not None:

@@ -56,19 +56,9 @@ def fused_reason(call: _validate.Call) -> str | None:
 
 def _sdpa_mask(call: _validate.Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """SDPA's single ``attn_mask`` (bool or additive) and ``is_causal`` for ``call``."""
-    if mask is None and bias is None and call.causal is None and call.window is None:
-        return None, False
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    causal_only = call.causal is not None and call.window is None
-    if causal_only and mask is None and bias is None and (lq == lk or call.align == "upper_left"):
-        return None, True  # SDPA's is_causal is upper-left: exact here
-    allowed = _core.structural_mask(call, device=call.device)
-    if mask is not None:
-        allowed = mask if allowed is None else (mask & allowed)
-    if bias is None:
-        return allowed, False
-    if allowed is None:
-        return bias, False
+    allowed, is_causal = _core.kernel_mask(call, mask, bias)
+    if bias is None or allowed is None:
+        return (allowed if bias is None else bias), is_causal
     return torch.where(allowed, bias, float("-inf")), False
 
 
