@@ -226,10 +226,18 @@ def _check_shapes(q: Any, k: Any, v: Any) -> None:
         raise ValueError(msg)
 
 
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """NumPy's broadcast of two shapes, or None where they do not broadcast."""
+    width = max(len(a), len(b))
+    pa, pb = (1,) * (width - len(a)) + a, (1,) * (width - len(b)) + b
+    if any(x != y and 1 not in (x, y) for x, y in zip(pa, pb, strict=True)):
+        return None
+    return tuple(y if x == 1 else x for x, y in zip(pa, pb, strict=True))
+
+
 def _broadcasts(small: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    if len(small) > len(target):
-        return False
-    return all(s in (1, t) for s, t in zip(reversed(small), reversed(target), strict=False))
+    """``small`` broadcasts to ``target`` without changing it."""
+    return len(small) <= len(target) and _broadcast_shape(small, target) == target
 
 
 def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tuple) -> None:
@@ -529,13 +537,14 @@ def check_bool_masks(named: dict[str, Any]) -> None:
         if not xp.isdtype(m.dtype, "bool"):
             msg = f"`{name}` must be boolean (True = may attend), got dtype {m.dtype}."
             raise TypeError(msg)
-        ms = _shape(m)
-        width = max(len(shape), len(ms))
-        padded = ((1,) * (width - len(shape)) + shape, (1,) * (width - len(ms)) + ms)
-        if any(a != b and 1 not in (a, b) for a, b in zip(*padded, strict=True)):
-            msg = f"`{name}` of shape {ms} does not broadcast with the masks before it {shape}."
+        combined = _broadcast_shape(shape, _shape(m))
+        if combined is None:
+            msg = (
+                f"`{name}` of shape {_shape(m)} does not broadcast with the masks before it "
+                f"{shape}."
+            )
             raise ValueError(msg)
-        shape = tuple(b if a == 1 else a for a, b in zip(*padded, strict=True))
+        shape = combined
 
 
 def check_namespace(xp: object) -> None:
