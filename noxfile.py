@@ -26,7 +26,7 @@ PYPROJECT = ROOT / "pyproject.toml"
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 JAX_SPEC = os.environ.get("JAX_SPEC", "jax")  # the PyPI `jax` wheel runs on the CPU
 
-SOURCES = ("portable_attention", "tests", "benchmarks", "noxfile.py")
+SOURCES = ("portable_attention", "tests", "benchmarks", "examples", "noxfile.py")
 
 nox.options.sessions = ["tests-all", "lint"]
 # Reuse environments between local runs (`nox -N` or `--reuse-venv=no` to rebuild).

@@ -3,11 +3,11 @@
 Public names only; see :func:`attend`, :func:`plan` and :mod:`portable_attention.masks`.
 """
 
-from portable_attention import backends, masks
+from portable_attention import backends, masks, mha
 from portable_attention._attention import attend, plan
 from portable_attention._plan import Plan
 
 backends.preload()
 
-__all__ = ["Plan", "attend", "masks", "plan"]
+__all__ = ["Plan", "attend", "masks", "mha", "plan"]
 __version__ = "0.1.0"

@@ -1,0 +1,374 @@
+"""Multi-head attention on any array-API framework's arrays: a functional core, parameter
+initialisation and a plain (autograd-free) class.
+
+Parameters are a plain ``dict`` of arrays, applied as ``x @ w + b`` on batch-first inputs
+``[B, L, E]`` (the one state format, shared with
+:class:`portable_attention.backends.torch_mha.MultiHeadAttention`):
+
+==========  =====================  ==========================================
+name        shape                  role
+==========  =====================  ==========================================
+``w_q``     ``(E, Hq * D)``        query projection
+``w_k``     ``(kdim, Hk * D)``     key projection
+``w_v``     ``(vdim, Hk * Dv)``    value projection (``Dv == D`` from :func:`init_params`)
+``w_o``     ``(Hq * Dv, E)``       output projection
+``b_q``     ``(Hq * D,)``          optional bias of ``w_q`` (likewise ``b_k``, ``b_v``, ``b_o``)
+==========  =====================  ==========================================
+
+``Hq`` is ``num_heads``, ``Hk`` is ``num_kv_heads`` (default ``Hq``; ``Hq % Hk == 0`` gives
+grouped-query attention, ``Hk == 1`` multi-query). Attention itself is :func:`attend`, so
+every fast path, mask rule and the "no key left gives 0" rule carry over.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from portable_attention._attention import attend
+
+__all__ = ["MultiHeadAttention", "init_params", "multi_head_attention"]
+
+WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+BIASES = ("b_q", "b_k", "b_v", "b_o")
+
+
+def _split_heads(xp: Any, x: Any, heads: int) -> Any:
+    """``[B, L, H * D] -> [B, H, L, D]``."""
+    b, length, width = x.shape
+    return xp.permute_dims(xp.reshape(x, (b, length, heads, width // heads)), (0, 2, 1, 3))
+
+
+def _merge_heads(xp: Any, x: Any) -> Any:
+    """``[B, H, L, D] -> [B, L, H * D]``."""
+    b, heads, length, d = x.shape
+    return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (b, length, heads * d))
+
+
+def _project(xp: Any, x: Any, params: dict[str, Any], w: str, b: str) -> Any:
+    y = x @ params[w]
+    bias = params.get(b)
+    return y if bias is None else y + bias
+
+
+def _check(
+    params: dict[str, Any],
+    query: Any,
+    key: Any,
+    value: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    key_padding_mask: Any,
+) -> None:
+    """Every argument check of :func:`multi_head_attention` (shapes, heads, dtypes)."""
+    missing = [n for n in WEIGHTS if n not in params]
+    if missing:
+        msg = f"`params` lacks {missing}; expected keys {list(WEIGHTS)} (+ optional biases)"
+        raise ValueError(msg)
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        msg = f"`num_heads` must be a positive int, got {num_heads!r}"
+        raise ValueError(msg)
+    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        msg = (
+            f"`num_kv_heads` must be a positive divisor of `num_heads`={num_heads}, "
+            f"got {num_kv_heads!r}"
+        )
+        raise ValueError(msg)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 3:
+            got = getattr(x, "shape", type(x))
+            msg = f"`{name}` must be a batch-first [B, L, E] array, got {got}"
+            raise ValueError(msg)
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        msg = f"batch sizes differ: `query` {query.shape}, `key` {key.shape}, `value` {value.shape}"
+        raise ValueError(msg)
+    if key.shape[1] != value.shape[1]:
+        msg = f"`key` {key.shape} and `value` {value.shape} must have the same length"
+        raise ValueError(msg)
+    shapes = {n: tuple(params[n].shape) for n in WEIGHTS}
+    wq, wk, wv, wo = (shapes[n] for n in WEIGHTS)
+    ok = (
+        len(wq) == len(wk) == len(wv) == len(wo) == 2
+        and wq[1] % num_heads == 0
+        and wk[1] % num_kv_heads == 0
+        and wv[1] % num_kv_heads == 0
+        and wq[1] // num_heads == wk[1] // num_kv_heads
+        and wo[0] == num_heads * (wv[1] // num_kv_heads)
+        and wq[0] == query.shape[2]
+        and wk[0] == key.shape[2]
+        and wv[0] == value.shape[2]
+    )
+    if not ok:
+        msg = (
+            f"parameter shapes {shapes} do not fit `num_heads`={num_heads}, "
+            f"`num_kv_heads`={num_kv_heads} and inputs `query` {query.shape}, `key` {key.shape}, "
+            f"`value` {value.shape}; expected w_q (E, Hq*D), w_k (kdim, Hk*D), "
+            "w_v (vdim, Hk*Dv), w_o (Hq*Dv, E)"
+        )
+        raise ValueError(msg)
+    for name, arr in params.items():
+        if arr is not None and arr.dtype != query.dtype:
+            msg = f"`params[{name!r}]` has dtype {arr.dtype}, `query` has {query.dtype}; cast one"
+            raise TypeError(msg)
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (
+        key.shape[0],
+        key.shape[1],
+    ):
+        msg = (
+            f"`key_padding_mask` must be boolean [B, Lk] = {(key.shape[0], key.shape[1])}, "
+            f"got shape {tuple(key_padding_mask.shape)}"
+        )
+        raise ValueError(msg)
+
+
+def multi_head_attention(
+    params: dict[str, Any],
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    bias: Any = None,
+    causal: bool | str = False,
+    key_padding_mask: Any = None,
+    dropout: float = 0.0,
+    rng: Any = None,
+    return_weights: bool = False,
+) -> Any:
+    """Multi-head attention: project, split heads, :func:`attend`, merge heads, project.
+
+    Parameters
+    ----------
+    params : dict of arrays
+        ``w_q, w_k, w_v, w_o`` and optional ``b_q, b_k, b_v, b_o`` (see the module
+        docstring), same framework and dtype as ``query``.
+    query : array ``[B, Lq, E]``
+    key : array ``[B, Lk, kdim]``, optional
+        Defaults to ``query`` (self-attention).
+    value : array ``[B, Lk, vdim]``, optional
+        Defaults to ``key``.
+    num_heads : int
+        Query heads ``Hq``.
+    num_kv_heads : int, optional
+        Key/value heads ``Hk`` (default ``Hq``); ``Hq % Hk == 0``.
+    mask : bool array, optional
+        Broadcastable to ``[B, Hq, Lq, Lk]``; **True means "may attend"**.
+    bias : float array, optional
+        Additive score bias broadcastable to ``[B, Hq, Lq, Lk]`` (``-inf`` masks).
+    causal : bool or {"lower_right", "upper_left"}
+        As in :func:`attend`.
+    key_padding_mask : bool array ``[B, Lk]``, optional
+        **True marks a real key** (may be attended), False a padding position; becomes a
+        ``[B, 1, 1, Lk]`` mask combined (logical and) with ``mask``. This is the
+        opposite polarity of ``torch.nn.MultiheadAttention``.
+    dropout, rng
+        Dropout on the attention weights and the framework's RNG, as in :func:`attend`.
+    return_weights : bool
+        Also return the per-head attention weights ``[B, Hq, Lq, Lk]`` (before dropout).
+
+    Returns
+    -------
+    out ``[B, Lq, E]``, or ``(out, weights)``.
+    """
+    key = query if key is None else key
+    value = key if value is None else value
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check(params, query, key, value, num_heads, num_kv_heads, key_padding_mask)
+    xp = array_api_compat.array_namespace(query, key, value)
+
+    q = _split_heads(xp, _project(xp, query, params, "w_q", "b_q"), num_heads)
+    k = _split_heads(xp, _project(xp, key, params, "w_k", "b_k"), num_kv_heads)
+    v = _split_heads(xp, _project(xp, value, params, "w_v", "b_v"), num_kv_heads)
+    if key_padding_mask is not None:
+        b, lk = key_padding_mask.shape
+        kpm = xp.reshape(key_padding_mask, (b, 1, 1, lk))
+        mask = kpm if mask is None else (mask & kpm)
+    result = attend(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        dropout=dropout,
+        rng=rng,
+        return_weights=return_weights,
+    )
+    out, weights = result if return_weights else (result, None)
+    out = _project(xp, _merge_heads(xp, out), params, "w_o", "b_o")
+    return (out, weights) if return_weights else out
+
+
+def _xavier_uniform(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
+    """The one Xavier/Glorot-uniform definition: U(-a, a), a = sqrt(6 / (fan_in + fan_out))."""
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-bound, bound, size=(fan_in, fan_out))
+
+
+def init_params(
+    embed_dim: int,
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    kdim: int | None = None,
+    vdim: int | None = None,
+    bias: bool = True,
+    xp: Any = None,
+    dtype: Any = None,
+    device: Any = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Fresh parameters: Xavier-uniform weights and zero biases.
+
+    Weights are drawn in float64 with ``numpy.random.default_rng(seed)`` in the order
+    ``w_q, w_k, w_v, w_o`` (so the same seed gives the same values on every framework),
+    then converted with ``xp.asarray(..., dtype=dtype, device=device)``.
+
+    Parameters
+    ----------
+    embed_dim : int
+        ``E``; must be divisible by ``num_heads`` (head size ``D = E // num_heads``).
+    num_heads, num_kv_heads : int
+        Query heads ``Hq`` and key/value heads ``Hk`` (default ``Hq``).
+    kdim, vdim : int, optional
+        Input widths of key and value (default ``E``).
+    bias : bool
+        Include ``b_q, b_k, b_v, b_o`` (zeros).
+    xp : namespace or framework module, optional
+        Where the arrays go (NumPy when None).
+    dtype, device : optional
+        Passed to ``xp.asarray``; ``dtype`` defaults to ``xp.float32``.
+    seed : int
+        Seed of the NumPy generator.
+    """
+    hk = num_heads if num_kv_heads is None else num_kv_heads
+    if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+        msg = f"`embed_dim`={embed_dim} must be a positive multiple of `num_heads`={num_heads}"
+        raise ValueError(msg)
+    if hk <= 0 or num_heads % hk:
+        msg = f"`num_kv_heads`={hk} must be a positive divisor of `num_heads`={num_heads}"
+        raise ValueError(msg)
+    if xp is None:
+        import numpy as xp
+    ns = array_api_compat.array_namespace(xp.asarray(0.0))
+    dtype = ns.float32 if dtype is None else dtype
+    d = embed_dim // num_heads
+    kdim = embed_dim if kdim is None else kdim
+    vdim = embed_dim if vdim is None else vdim
+    rng = np.random.default_rng(seed)
+    host = {
+        "w_q": _xavier_uniform(rng, embed_dim, num_heads * d),
+        "w_k": _xavier_uniform(rng, kdim, hk * d),
+        "w_v": _xavier_uniform(rng, vdim, hk * d),
+        "w_o": _xavier_uniform(rng, num_heads * d, embed_dim),
+    }
+    if bias:
+        host |= {
+            "b_q": np.zeros(num_heads * d),
+            "b_k": np.zeros(hk * d),
+            "b_v": np.zeros(hk * d),
+            "b_o": np.zeros(embed_dim),
+        }
+    kwargs = {} if device is None else {"device": device}
+    return {n: ns.asarray(a.astype(np.float64), dtype=dtype, **kwargs) for n, a in host.items()}
+
+
+class MultiHeadAttention:
+    """Multi-head attention holding its parameters as a ``dict`` of arrays of any array-API
+    framework (NumPy, CuPy, array_api_strict, ...); no autograd, no training mode.
+
+    Calls :func:`multi_head_attention`; see it for the arguments of ``__call__``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        xp: Any = None,
+        dtype: Any = None,
+        device: Any = None,
+        seed: int = 0,
+    ) -> None:
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.dropout = dropout
+        self.params = init_params(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            kdim=kdim,
+            vdim=vdim,
+            bias=bias,
+            xp=xp,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+        )
+
+    def __call__(
+        self,
+        query: Any,
+        key: Any = None,
+        value: Any = None,
+        *,
+        mask: Any = None,
+        bias: Any = None,
+        causal: bool | str = False,
+        key_padding_mask: Any = None,
+        rng: Any = None,
+        return_weights: bool = False,
+    ) -> Any:
+        """Attention with this object's parameters; ``dropout`` applies when it is > 0."""
+        return multi_head_attention(
+            self.params,
+            query,
+            key,
+            value,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            dropout=self.dropout,
+            rng=rng,
+            return_weights=return_weights,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """A shallow copy of the parameter dict (the one state format)."""
+        return dict(self.params)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the parameters with ``state`` (any framework's arrays, e.g. from
+        ``state_dict_portable()`` of the torch module), converted to this object's namespace,
+        dtype and device. Keys and shapes must match the current ones."""
+        if set(state) != set(self.params):
+            msg = f"`state` keys {sorted(state)} != expected {sorted(self.params)}"
+            raise ValueError(msg)
+        new = {}
+        for name, old in self.params.items():
+            xp = array_api_compat.array_namespace(old)
+            src = state[name]
+            if not array_api_compat.is_array_api_obj(src) or (
+                array_api_compat.array_namespace(src) is not xp
+            ):
+                src = np.asarray(src)  # another framework's (host) array
+            arr = xp.asarray(src, dtype=old.dtype, device=array_api_compat.device(old))
+            if tuple(arr.shape) != tuple(old.shape):
+                msg = f"`state[{name!r}]` has shape {tuple(arr.shape)}, expected {tuple(old.shape)}"
+                raise ValueError(msg)
+            new[name] = arr
+        self.params = new

@@ -1,0 +1,453 @@
+"""Multi-head attention: the functional core on every backend against a float64 NumPy oracle,
+``init_params``, the plain NumPy class, the torch module (against ``nn.MultiheadAttention``:
+outputs, weights, gradients, state round trips) and the encoder-layer example."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import mha
+
+import oracle
+from conftest import BACKENDS, BY_NAME, Backend, requires_backend
+from helpers import assert_like, rng_for
+
+# Values go through two projections around attention: a little looser than attend's.
+MHA_TOL = {"float64": (1e-10, 1e-12), "float32": (2e-4, 2e-5)}
+
+
+def oracle_mha(
+    params: dict[str, np.ndarray],
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    mask: np.ndarray | None = None,
+    causal: bool | str = False,
+    key_padding_mask: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 MHA written out with NumPy: projections, heads, ``oracle.attention``."""
+    p = {n: np.asarray(a, dtype=np.float64) for n, a in params.items()}
+
+    def proj(x: np.ndarray, w: str, b: str) -> np.ndarray:
+        y = np.einsum("ble,ef->blf", np.asarray(x, dtype=np.float64), p[w])
+        return y + p[b] if b in p else y
+
+    def heads(x: np.ndarray, h: int) -> np.ndarray:
+        bsz, length, width = x.shape
+        return x.reshape(bsz, length, h, width // h).transpose(0, 2, 1, 3)
+
+    q = heads(proj(query, "w_q", "b_q"), num_heads)
+    k = heads(proj(key, "w_k", "b_k"), num_kv_heads)
+    v = heads(proj(value, "w_v", "b_v"), num_kv_heads)
+    full = mask
+    if key_padding_mask is not None:
+        kpm = key_padding_mask[:, None, None, :]
+        full = kpm if full is None else (full & kpm)
+    out, weights, _ = oracle.attention(q, k, v, mask=full, causal=causal)
+    bsz, h, lq, dv = out.shape
+    merged = out.transpose(0, 2, 1, 3).reshape(bsz, lq, h * dv)
+    o = merged @ p["w_o"]
+    return (o + p["b_o"] if "b_o" in p else o), weights
+
+
+# (num_heads, num_kv_heads, embed_dim, kdim, vdim, bias, Lq, Lk, self-attention, options)
+CASES = {
+    "self-kpm": (4, 4, 16, None, None, True, 5, 5, True, {"kpm": True}),
+    "gqa-causal": (4, 2, 16, None, None, True, 6, 6, True, {"causal": True}),
+    "mqa-cross-mask": (4, 1, 16, 12, 10, False, 3, 7, False, {"mask": True, "kpm": True}),
+    "cross-lower-right": (2, 2, 8, 6, 6, True, 3, 5, False, {"causal": "lower_right"}),
+}
+
+
+def _make_case(name: str) -> dict[str, Any]:
+    hq, hk, e, kdim, vdim, bias, lq, lk, self_attn, opts = CASES[name]
+    rng = rng_for("mha", name)
+    params = mha.init_params(e, hq, num_kv_heads=hk, kdim=kdim, vdim=vdim, bias=bias, seed=3)
+    params = {n: np.asarray(a, dtype=np.float64) for n, a in params.items()}
+    if bias:  # non-zero biases, so that they are exercised
+        for n in ("b_q", "b_k", "b_v", "b_o"):
+            params[n] = 0.1 * rng.standard_normal(params[n].shape)
+    b = 2
+    query = rng.standard_normal((b, lq, e))
+    key = query if self_attn else rng.standard_normal((b, lk, kdim or e))
+    value = key if self_attn else rng.standard_normal((b, lk, vdim or e))
+    mask = kpm = None
+    if opts.get("mask"):
+        mask = rng.random((lq, lk)) > 0.3
+        mask[:, 1] = True  # every query keeps a key
+    if opts.get("kpm"):
+        kpm = np.ones((b, lk), dtype=bool)
+        kpm[1, lk - 2 :] = False
+        kpm[0, 0] = False
+    return {
+        "params": params,
+        "query": query,
+        "key": key,
+        "value": value,
+        "mask": mask,
+        "kpm": kpm,
+        "causal": opts.get("causal", False),
+        "num_heads": hq,
+        "num_kv_heads": hk,
+        "self_attn": self_attn,
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_functional_matches_oracle(backend: Backend, hp_dtype: str, case: str) -> None:
+    c = _make_case(case)
+    ref_out, ref_w = oracle_mha(
+        c["params"],
+        c["query"],
+        c["key"],
+        c["value"],
+        num_heads=c["num_heads"],
+        num_kv_heads=c["num_kv_heads"],
+        mask=c["mask"],
+        causal=c["causal"],
+        key_padding_mask=c["kpm"],
+    )
+    params = {n: backend.asarray(a, hp_dtype) for n, a in c["params"].items()}
+    query = backend.asarray(c["query"], hp_dtype)
+    key = value = None
+    if not c["self_attn"]:
+        key, value = backend.asarray(c["key"], hp_dtype), backend.asarray(c["value"], hp_dtype)
+    mask = None if c["mask"] is None else backend.asarray(c["mask"])
+    kpm = None if c["kpm"] is None else backend.asarray(c["kpm"])
+    out, weights = mha.multi_head_attention(
+        params,
+        query,
+        key,
+        value,
+        num_heads=c["num_heads"],
+        num_kv_heads=c["num_kv_heads"],
+        mask=mask,
+        causal=c["causal"],
+        key_padding_mask=kpm,
+        return_weights=True,
+    )
+    dt = backend.dtype(hp_dtype)
+    assert_like(out, query, shape=ref_out.shape, dtype=dt, name="out")
+    assert_like(weights, query, shape=ref_w.shape, dtype=dt, name="weights")
+    rtol, atol = MHA_TOL[hp_dtype]
+    np.testing.assert_allclose(backend.to_numpy(out), ref_out, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(backend.to_numpy(weights), ref_w, rtol=rtol, atol=atol)
+    # Without weights (may take a fused path): the same output.
+    out2 = mha.multi_head_attention(
+        params,
+        query,
+        key,
+        value,
+        num_heads=c["num_heads"],
+        num_kv_heads=c["num_kv_heads"],
+        mask=mask,
+        causal=c["causal"],
+        key_padding_mask=kpm,
+    )
+    np.testing.assert_allclose(backend.to_numpy(out2), ref_out, rtol=rtol, atol=atol)
+
+
+def test_init_params(backend: Backend, hp_dtype: str) -> None:
+    e, hq, hk, kdim, vdim = 16, 4, 2, 12, 10
+    dt = backend.dtype(hp_dtype)
+    p = mha.init_params(e, hq, num_kv_heads=hk, kdim=kdim, vdim=vdim, xp=backend.xp, dtype=dt)
+    d = e // hq
+    shapes = {
+        "w_q": (e, hq * d),
+        "w_k": (kdim, hk * d),
+        "w_v": (vdim, hk * d),
+        "w_o": (hq * d, e),
+        "b_q": (hq * d,),
+        "b_k": (hk * d,),
+        "b_v": (hk * d,),
+        "b_o": (e,),
+    }
+    like = backend.asarray(np.zeros(1), hp_dtype)
+    assert set(p) == set(shapes)
+    ref = mha.init_params(e, hq, num_kv_heads=hk, kdim=kdim, vdim=vdim, dtype=np.float64)
+    for name, shape in shapes.items():
+        assert_like(p[name], like, shape=shape, dtype=dt, name=name)
+        a = backend.to_numpy(p[name])
+        if name.startswith("b_"):
+            assert np.all(a == 0)
+        else:
+            bound = math.sqrt(6.0 / (shape[0] + shape[1]))
+            assert np.all(np.abs(a) <= bound) and np.abs(a).max() > 0.8 * bound
+            # One definition: the same values on every backend (up to the dtype's rounding).
+            np.testing.assert_allclose(a, ref[name], rtol=1e-6 if hp_dtype == "float32" else 0)
+    no_bias = mha.init_params(e, hq, bias=False, xp=backend.xp, dtype=dt)
+    assert set(no_bias) == {"w_q", "w_k", "w_v", "w_o"}
+    other = mha.init_params(e, hq, num_kv_heads=hk, kdim=kdim, vdim=vdim, dtype=np.float64, seed=1)
+    assert not np.allclose(other["w_q"], ref["w_q"])
+
+
+def test_errors() -> None:
+    p = mha.init_params(8, 2)
+    x = np.zeros((2, 3, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        mha.multi_head_attention(p, x, num_heads=2, num_kv_heads=3)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mha.multi_head_attention(p, x, num_heads=2, key_padding_mask=np.ones((2, 4), bool))
+    with pytest.raises(TypeError, match="dtype"):
+        mha.multi_head_attention(p, x.astype(np.float64), num_heads=2)
+    with pytest.raises(ValueError, match="query"):
+        mha.multi_head_attention(p, x[0], num_heads=2)
+    with pytest.raises(ValueError, match="parameter shapes"):
+        mha.multi_head_attention(p, np.zeros((2, 3, 6), np.float32), num_heads=2)
+    with pytest.raises(ValueError, match="embed_dim"):
+        mha.init_params(10, 4)
+
+
+def test_numpy_class() -> None:
+    m = mha.MultiHeadAttention(16, 4, num_kv_heads=2, seed=5)
+    x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+    out, w = m(x, return_weights=True)
+    ref = mha.multi_head_attention(m.params, x, num_heads=4, num_kv_heads=2)
+    np.testing.assert_array_equal(out, ref)
+    assert out.dtype == np.float32 and w.shape == (2, 4, 5, 5)
+    m2 = mha.MultiHeadAttention(16, 4, num_kv_heads=2, seed=6)
+    assert not np.allclose(m2(x), out)
+    m2.load_state_dict(m.state_dict())
+    np.testing.assert_array_equal(m2(x), out)
+    with pytest.raises(ValueError, match="keys"):
+        m2.load_state_dict({"w_q": m.params["w_q"]})
+
+
+# --------------------------------------------------------------------------------------------
+# torch
+
+
+def _torch_inputs(
+    batch_first: bool, kdim: int | None, seed: int
+) -> tuple[Any, Any, Any, dict[str, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    b, lq, lk, e, h = 3, 4, 6, 8, 2
+    q = torch.randn(b, lq, e, generator=g)
+    if kdim is None:
+        k = v = q if lq == lk else torch.randn(b, lk, e, generator=g)
+    else:
+        k = torch.randn(b, lk, kdim, generator=g)
+        v = torch.randn(b, lk, kdim, generator=g)
+    if not batch_first:
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    kpm = torch.zeros(b, lk, dtype=torch.bool)
+    kpm[0, -2:] = True  # torch polarity: True = padding
+    kpm[2, -1] = True
+    bool_2d = torch.rand(lq, lk, generator=g) > 0.6
+    bool_2d[:, 0] = False  # torch polarity: False = may attend; key 0 is never padding
+    bool_3d = torch.rand(b * h, lq, lk, generator=g) > 0.6
+    bool_3d[..., 0] = False
+    masks = {
+        "none": {},
+        "kpm": {"key_padding_mask": kpm},
+        "bool2d": {"attn_mask": bool_2d},
+        "bool3d+kpm": {"attn_mask": bool_3d, "key_padding_mask": kpm},
+        "float3d": {"attn_mask": torch.randn(b * h, lq, lk, generator=g)},
+        "float2d+kpm": {"attn_mask": torch.randn(lq, lk, generator=g), "key_padding_mask": kpm},
+    }
+    return q, k, v, masks
+
+
+@requires_backend("torch")
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kdim", [None, 6])
+def test_swap_matches_torch(batch_first: bool, kdim: int | None) -> None:
+    import torch
+    from portable_attention.backends.torch_mha import (
+        MultiHeadAttention,
+        TorchCompatMultiHeadAttention,
+    )
+
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim)
+    with torch.no_grad():  # torch initialises biases to 0: make them matter
+        ref.in_proj_bias.normal_()
+        ref.out_proj.bias.normal_()
+    ours = MultiHeadAttention.from_torch(ref, torch_compat=True)
+    assert isinstance(ours, TorchCompatMultiHeadAttention)
+    q, k, v, masks = _torch_inputs(batch_first, kdim, seed=1)
+    for name, kw in masks.items():
+        for average in (True, False):
+            o_ref, w_ref = ref(q, k, v, average_attn_weights=average, **kw)
+            o, w = ours(q, k, v, average_attn_weights=average, **kw)
+            assert o.shape == o_ref.shape and w is not None and w.shape == w_ref.shape
+            torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6, msg=name)
+        o_ref, _ = ref(q, k, v, need_weights=False, **kw)
+        o, w = ours(q, k, v, need_weights=False, **kw)
+        assert w is None
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=name)
+
+    # Gradients with respect to inputs and parameters.
+    kw = masks["bool3d+kpm"]
+    qs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    qo = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    ref(*qs, **kw)[0].square().sum().backward()
+    ours(*qo, **kw)[0].square().sum().backward()
+    for a, b in zip(qs, qo, strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+    if ref._qkv_same_embed_dim:
+        gq, gk, gv = ref.in_proj_weight.grad.chunk(3)
+    else:
+        gq, gk, gv = ref.q_proj_weight.grad, ref.k_proj_weight.grad, ref.v_proj_weight.grad
+    p = ours.params()
+    for ours_p, ref_g in ((p["w_q"], gq), (p["w_k"], gk), (p["w_v"], gv)):
+        torch.testing.assert_close(ours_p.grad.T, ref_g, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(p["w_o"].grad.T, ref.out_proj.weight.grad, rtol=1e-4, atol=1e-5)
+    gb = torch.cat([p["b_q"].grad, p["b_k"].grad, p["b_v"].grad])
+    torch.testing.assert_close(gb, ref.in_proj_bias.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(p["b_o"].grad, ref.out_proj.bias.grad, rtol=1e-4, atol=1e-5)
+
+    # Export back to torch: the same module.
+    back = ours.to_torch()
+    assert back.batch_first == batch_first
+    for name, kw in masks.items():
+        o_back, w_back = back(q, k, v, **kw)
+        o_ref, w_ref = ref(q, k, v, **kw)
+        torch.testing.assert_close(o_back, o_ref, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(w_back, w_ref, rtol=0, atol=0, msg=name)
+
+
+@requires_backend("torch")
+def test_torch_module_native_forward_and_modes() -> None:
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, dropout=0.5, seed=2, dtype=torch.float64)
+    assert {n for n, _ in m.named_parameters()} == {*mha.WEIGHTS, *mha.BIASES}
+    assert set(m.state_dict()) == set(m.state_dict_portable())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    kpm = torch.ones(2, 5, dtype=torch.bool)
+    kpm[1, -2:] = False  # our polarity: False = padding
+    m.eval()
+    out, w = m(x, key_padding_mask=kpm, causal=True, need_weights=True)
+    ref_out, ref_w = oracle_mha(
+        m.state_dict_portable(),
+        x.numpy(),
+        x.numpy(),
+        x.numpy(),
+        num_heads=4,
+        num_kv_heads=2,
+        causal=True,
+        key_padding_mask=kpm.numpy(),
+    )
+    np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(w.detach().numpy(), ref_w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(m(x), m(x), rtol=0, atol=0)  # eval: no dropout
+    m.train()
+    torch.manual_seed(0)
+    a = m(x)
+    b = m(x)
+    assert not torch.allclose(a, b)  # train: dropout, fresh draws
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        m.to_torch()
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    # Same seed, same weights as init_params on NumPy.
+    ref_p = mha.init_params(16, 4, num_kv_heads=2, seed=2, dtype=np.float64)
+    for n, arr in m.state_dict_portable().items():
+        np.testing.assert_array_equal(arr, ref_p[n])
+
+
+@requires_backend("torch")
+def test_state_round_trip_torch_numpy_torch() -> None:
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    t1 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=7)
+    with torch.no_grad():
+        for p in t1.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    np_mod = mha.MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=8)
+    np_mod.load_state_dict(t1.state_dict_portable())
+    t2 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=9)
+    t2.load_portable(np_mod.state_dict())
+    g = np.random.default_rng(0)
+    q, k, v = (
+        g.standard_normal(s).astype(np.float32) for s in ((2, 3, 16), (2, 5, 12), (2, 5, 10))
+    )
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    with torch.no_grad():
+        torch.testing.assert_close(t2(tq, tk, tv), t1(tq, tk, tv), rtol=0, atol=0)
+        np.testing.assert_allclose(np_mod(q, k, v), t1(tq, tk, tv).numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="shape"):
+        t2.load_portable({**np_mod.state_dict(), "w_q": np.zeros((3, 3))})
+
+
+@requires_backend("torch")
+def test_frameworks_agree() -> None:
+    """The same weights (from the torch module) and inputs on torch, NumPy, JAX and
+    array_api_strict give the same float64 result."""
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    t = MultiHeadAttention(16, 4, num_kv_heads=2, seed=11, dtype=torch.float64)
+    state = t.state_dict_portable()
+    g = np.random.default_rng(1)
+    x = g.standard_normal((2, 6, 16))
+    kpm = np.ones((2, 6), dtype=bool)
+    kpm[0, -3:] = False
+    with torch.no_grad():
+        ref = t(torch.from_numpy(x), key_padding_mask=torch.from_numpy(kpm)).numpy()
+    np_mod = mha.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=np.float64)
+    np_mod.load_state_dict(state)
+    np.testing.assert_allclose(np_mod(x, key_padding_mask=kpm), ref, rtol=1e-12, atol=1e-13)
+    checked = []
+    for b in BACKENDS:
+        with b.flags():
+            params = {n: b.asarray(a, "float64") for n, a in state.items()}
+            out = mha.multi_head_attention(
+                params,
+                b.asarray(x, "float64"),
+                num_heads=4,
+                num_kv_heads=2,
+                key_padding_mask=b.asarray(kpm),
+            )
+            np.testing.assert_allclose(b.to_numpy(out), ref, rtol=1e-12, atol=1e-13)
+        checked.append(b.name)
+    assert "numpy" in checked and "torch" in checked
+
+
+def test_example_runs() -> None:
+    path = Path(__file__).resolve().parent.parent / "examples" / "encoder_layer.py"
+    spec = importlib.util.spec_from_file_location("encoder_layer_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main()
+    assert "numpy/norm_first=True" in results and "numpy/norm_first=False" in results
+    if "torch" in BY_NAME:
+        assert "torch/norm_first=True" in results
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_compat_unbatched_and_is_causal(batch_first: bool) -> None:
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    torch.manual_seed(1)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    ours = MultiHeadAttention.from_torch(ref, torch_compat=True)
+    x = torch.randn(5, 8)  # unbatched [L, E]
+    kpm = torch.tensor([False, False, False, True, False])
+    o_ref, w_ref = ref(x, x, x, key_padding_mask=kpm)
+    o, w = ours(x, x, x, key_padding_mask=kpm)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    xb = torch.randn(2, 5, 8) if batch_first else torch.randn(5, 2, 8)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    o_ref, _ = ref(xb, xb, xb, attn_mask=causal, is_causal=True)
+    o, _ = ours(xb, xb, xb, is_causal=True)  # no attn_mask: a causal mask is applied
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
