@@ -529,6 +529,79 @@ def check_mask_array(name: str, x: Any, *, integer: bool = False) -> Any:
     return xp
 
 
+def check_mha_call(
+    params: dict[str, Any],
+    query: Any,
+    key: Any,
+    value: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    key_padding_mask: Any,
+    weights: tuple[str, ...],
+) -> Any:
+    """Every argument check of ``mha.multi_head_attention``; returns the namespace."""
+    missing = [n for n in weights if n not in params]
+    if missing:
+        msg = f"`params` lacks {missing}; expected keys {list(weights)} (+ optional biases)"
+        raise ValueError(msg)
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        msg = f"`num_heads` must be a positive int, got {num_heads!r}"
+        raise ValueError(msg)
+    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        msg = (
+            f"`num_kv_heads` must be a positive divisor of `num_heads`={num_heads}, "
+            f"got {num_kv_heads!r}"
+        )
+        raise ValueError(msg)
+    xp, _, _ = check_arrays(query=query, key=key, value=value, key_padding_mask=key_padding_mask)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 3:
+            got = getattr(x, "shape", type(x))
+            msg = f"`{name}` must be a batch-first [B, L, E] array, got {got}"
+            raise ValueError(msg)
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        msg = f"batch sizes differ: `query` {query.shape}, `key` {key.shape}, `value` {value.shape}"
+        raise ValueError(msg)
+    if key.shape[1] != value.shape[1]:
+        msg = f"`key` {key.shape} and `value` {value.shape} must have the same length"
+        raise ValueError(msg)
+    shapes = {n: tuple(params[n].shape) for n in weights}
+    wq, wk, wv, wo = (shapes[n] for n in weights)
+    ok = (
+        len(wq) == len(wk) == len(wv) == len(wo) == 2
+        and wq[1] % num_heads == 0
+        and wk[1] % num_kv_heads == 0
+        and wv[1] % num_kv_heads == 0
+        and wq[1] // num_heads == wk[1] // num_kv_heads
+        and wo[0] == num_heads * (wv[1] // num_kv_heads)
+        and wq[0] == query.shape[2]
+        and wk[0] == key.shape[2]
+        and wv[0] == value.shape[2]
+    )
+    if not ok:
+        msg = (
+            f"parameter shapes {shapes} do not fit `num_heads`={num_heads}, "
+            f"`num_kv_heads`={num_kv_heads} and inputs `query` {query.shape}, `key` {key.shape}, "
+            f"`value` {value.shape}; expected w_q (E, Hq*D), w_k (kdim, Hk*D), "
+            "w_v (vdim, Hk*Dv), w_o (Hq*Dv, E)"
+        )
+        raise ValueError(msg)
+    for name, arr in params.items():
+        if arr is not None and arr.dtype != query.dtype:
+            msg = f"`params[{name!r}]` has dtype {arr.dtype}, `query` has {query.dtype}; cast one"
+            raise TypeError(msg)
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (
+        key.shape[0],
+        key.shape[1],
+    ):
+        msg = (
+            f"`key_padding_mask` must be boolean [B, Lk] = {(key.shape[0], key.shape[1])}, "
+            f"got shape {tuple(key_padding_mask.shape)}"
+        )
+        raise ValueError(msg)
+    return xp
+
+
 def check_bool_masks(named: dict[str, Any]) -> None:
     """Masks to combine: arrays of one framework and device, boolean, shapes that broadcast."""
     xp, _, _ = check_arrays(**named)

@@ -28,6 +28,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from portable_attention import _validate
 from portable_attention._attention import attend
 
 __all__ = ["MultiHeadAttention", "init_params", "multi_head_attention"]
@@ -52,76 +53,6 @@ def _project(xp: Any, x: Any, params: dict[str, Any], w: str, b: str) -> Any:
     y = x @ params[w]
     bias = params.get(b)
     return y if bias is None else y + bias
-
-
-def _check(
-    params: dict[str, Any],
-    query: Any,
-    key: Any,
-    value: Any,
-    num_heads: int,
-    num_kv_heads: int,
-    key_padding_mask: Any,
-) -> None:
-    """Every argument check of :func:`multi_head_attention` (shapes, heads, dtypes)."""
-    missing = [n for n in WEIGHTS if n not in params]
-    if missing:
-        msg = f"`params` lacks {missing}; expected keys {list(WEIGHTS)} (+ optional biases)"
-        raise ValueError(msg)
-    if not isinstance(num_heads, int) or num_heads <= 0:
-        msg = f"`num_heads` must be a positive int, got {num_heads!r}"
-        raise ValueError(msg)
-    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
-        msg = (
-            f"`num_kv_heads` must be a positive divisor of `num_heads`={num_heads}, "
-            f"got {num_kv_heads!r}"
-        )
-        raise ValueError(msg)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if getattr(x, "ndim", None) != 3:
-            got = getattr(x, "shape", type(x))
-            msg = f"`{name}` must be a batch-first [B, L, E] array, got {got}"
-            raise ValueError(msg)
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
-        msg = f"batch sizes differ: `query` {query.shape}, `key` {key.shape}, `value` {value.shape}"
-        raise ValueError(msg)
-    if key.shape[1] != value.shape[1]:
-        msg = f"`key` {key.shape} and `value` {value.shape} must have the same length"
-        raise ValueError(msg)
-    shapes = {n: tuple(params[n].shape) for n in WEIGHTS}
-    wq, wk, wv, wo = (shapes[n] for n in WEIGHTS)
-    ok = (
-        len(wq) == len(wk) == len(wv) == len(wo) == 2
-        and wq[1] % num_heads == 0
-        and wk[1] % num_kv_heads == 0
-        and wv[1] % num_kv_heads == 0
-        and wq[1] // num_heads == wk[1] // num_kv_heads
-        and wo[0] == num_heads * (wv[1] // num_kv_heads)
-        and wq[0] == query.shape[2]
-        and wk[0] == key.shape[2]
-        and wv[0] == value.shape[2]
-    )
-    if not ok:
-        msg = (
-            f"parameter shapes {shapes} do not fit `num_heads`={num_heads}, "
-            f"`num_kv_heads`={num_kv_heads} and inputs `query` {query.shape}, `key` {key.shape}, "
-            f"`value` {value.shape}; expected w_q (E, Hq*D), w_k (kdim, Hk*D), "
-            "w_v (vdim, Hk*Dv), w_o (Hq*Dv, E)"
-        )
-        raise ValueError(msg)
-    for name, arr in params.items():
-        if arr is not None and arr.dtype != query.dtype:
-            msg = f"`params[{name!r}]` has dtype {arr.dtype}, `query` has {query.dtype}; cast one"
-            raise TypeError(msg)
-    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (
-        key.shape[0],
-        key.shape[1],
-    ):
-        msg = (
-            f"`key_padding_mask` must be boolean [B, Lk] = {(key.shape[0], key.shape[1])}, "
-            f"got shape {tuple(key_padding_mask.shape)}"
-        )
-        raise ValueError(msg)
 
 
 def multi_head_attention(
@@ -178,8 +109,9 @@ def multi_head_attention(
     key = query if key is None else key
     value = key if value is None else value
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _check(params, query, key, value, num_heads, num_kv_heads, key_padding_mask)
-    xp = array_api_compat.array_namespace(query, key, value)
+    xp = _validate.check_mha_call(
+        params, query, key, value, num_heads, num_kv_heads, key_padding_mask, WEIGHTS
+    )
 
     q = _split_heads(xp, _project(xp, query, params, "w_q", "b_q"), num_heads)
     k = _split_heads(xp, _project(xp, key, params, "w_k", "b_k"), num_kv_heads)

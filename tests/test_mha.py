@@ -451,3 +451,11 @@ def test_torch_compat_unbatched_and_is_causal(batch_first: bool) -> None:
     o_ref, _ = ref(xb, xb, xb, attn_mask=causal, is_causal=True)
     o, _ = ours(xb, xb, xb, is_causal=True)  # no attn_mask: a causal mask is applied
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_frameworks_name_both_types() -> None:
+    torch = pytest.importorskip("torch")
+    params = mha.init_params(8, 2)
+    x = np.zeros((1, 3, 8), dtype=np.float32)
+    with pytest.raises(TypeError, match=r"`key`.*Tensor.*`query`.*ndarray"):
+        mha.multi_head_attention(params, x, torch.zeros(1, 3, 8), num_heads=2)
