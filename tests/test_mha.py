@@ -459,3 +459,84 @@ def test_mixed_frameworks_name_both_types() -> None:
     x = np.zeros((1, 3, 8), dtype=np.float32)
     with pytest.raises(TypeError, match=r"`key`.*Tensor.*`query`.*ndarray"):
         mha.multi_head_attention(params, x, torch.zeros(1, 3, 8), num_heads=2)
+
+
+@requires_backend("torch", "jax")
+def test_same_loss_same_gradients_torch_and_jax() -> None:
+    """One set of float64 weights and inputs; the gradients of sum(out**2) with respect to
+    every parameter and the query agree between torch autograd and jax.grad."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    params = mha.init_params(12, 4, num_kv_heads=2, kdim=10, vdim=10, dtype=np.float64, seed=5)
+    params = {n: p + 0.01 * (i + 1) for i, (n, p) in enumerate(params.items())}  # biases != 0
+    rng = np.random.default_rng(7)
+    query, key = rng.standard_normal((2, 5, 12)), rng.standard_normal((2, 6, 10))
+    pad = np.ones((2, 6), dtype=bool)
+    pad[1, 4:] = False
+
+    def loss(xp_params: dict, q: Any, k: Any, kpm: Any) -> Any:
+        out = mha.multi_head_attention(
+            xp_params, q, k, num_heads=4, num_kv_heads=2, key_padding_mask=kpm, causal=True
+        )
+        return (out**2).sum()
+
+    t_params = {n: torch.tensor(p, requires_grad=True) for n, p in params.items()}
+    t_query = torch.tensor(query, requires_grad=True)
+    loss(t_params, t_query, torch.tensor(key), torch.tensor(pad)).backward()
+
+    j_params = {n: jnp.asarray(p) for n, p in params.items()}
+    g_params, g_query = jax.grad(loss, argnums=(0, 1))(
+        j_params, jnp.asarray(query), jnp.asarray(key), jnp.asarray(pad)
+    )
+    for name, tp in t_params.items():
+        np.testing.assert_allclose(
+            np.asarray(g_params[name]), tp.grad.numpy(), rtol=1e-9, atol=1e-12
+        )
+    np.testing.assert_allclose(np.asarray(g_query), t_query.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+@requires_backend("torch", "jax")
+def test_weights_move_torch_jax_numpy_torch_by_dlpack() -> None:
+    """torch module -> JAX dict -> NumPy class -> torch module, each hop through DLPack,
+    gives the same outputs (float32, identical weights, so agreement to float32 rounding)."""
+    import jax.numpy as jnp
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    torch.manual_seed(0)
+    first = MultiHeadAttention(16, 4, num_kv_heads=2)
+    x = np.random.default_rng(1).standard_normal((2, 7, 16)).astype(np.float32)
+    with torch.no_grad():
+        ref = first(torch.from_numpy(x)).numpy()
+    j_params = {n: jnp.from_dlpack(p.detach()) for n, p in first.params().items()}
+    j_out = mha.multi_head_attention(j_params, jnp.asarray(x), num_heads=4, num_kv_heads=2)
+    n_mod = mha.MultiHeadAttention(16, 4, num_kv_heads=2)
+    n_mod.load_state_dict({n: np.from_dlpack(p) for n, p in j_params.items()})
+    n_out = n_mod(x)
+    last = MultiHeadAttention(16, 4, num_kv_heads=2)
+    last.load_portable({n: torch.from_dlpack(p) for n, p in n_mod.state_dict().items()})
+    with torch.no_grad():
+        last_out = last(torch.from_numpy(x)).numpy()
+    for name, p in last.params().items():
+        np.testing.assert_array_equal(p.detach().numpy(), first.params()[name].detach().numpy())
+    np.testing.assert_allclose(np.asarray(j_out), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(n_out, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(last_out, ref)
+
+
+@requires_backend("torch")
+def test_torch_module_under_torch_compile() -> None:
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    torch.manual_seed(0)
+    module = MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 6, 16)
+    pad = torch.ones(2, 6, dtype=torch.bool)
+    pad[0, 5] = False
+    compiled = torch.compile(module, fullgraph=True)
+    torch.testing.assert_close(
+        compiled(x, key_padding_mask=pad, causal=True), module(x, key_padding_mask=pad, causal=True)
+    )
