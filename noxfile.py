@@ -53,7 +53,7 @@ def _framework_requirements(backends: tuple[str, ...]) -> list[str]:
     if "torch" in backends:
         reqs.append(TORCH_SPEC)
     if "jax" in backends:
-        reqs.append(JAX_SPEC)
+        reqs += [JAX_SPEC, "flax"]  # flax for the NNX multi-head module's tests
     return reqs
 
 

@@ -1,0 +1,128 @@
+"""JAX: multi-head attention as a Flax NNX module on the array-API core.
+
+``pip install portable-attention[flax]``. The module holds the parameters of
+:mod:`portable_attention.mha` (same names and shapes, the one state format) as
+``nnx.Param`` and calls :func:`portable_attention.mha.multi_head_attention`, so
+``nnx.jit``, ``nnx.vmap`` and ``nnx.grad`` go through :func:`portable_attention.attend`.
+
+Dropout draws from ``rngs.dropout()`` (an ``nnx.Rngs`` given at construction) unless an
+explicit key is passed as ``rng=``; ``.eval()`` turns it off, ``.train()`` back on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from portable_attention import mha
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nnx.Module):
+    """Flax NNX multi-head attention; constructor arguments as the torch module's.
+
+    Parameters
+    ----------
+    embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, dropout
+        As :class:`portable_attention.mha.MultiHeadAttention`.
+    seed : int
+        Seed of :func:`portable_attention.mha.init_params` (same values on every framework).
+    dtype
+        Parameter dtype (float32 by default).
+    rngs : nnx.Rngs, optional
+        Source of dropout keys (``rngs.dropout()``); needed for ``dropout > 0`` in
+        training mode unless each call passes ``rng=``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        *,
+        seed: int = 0,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.dropout = dropout
+        self.deterministic = False  # nnx's .eval() / .train() set this
+        self.rngs = rngs
+        params = mha.init_params(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            kdim=kdim,
+            vdim=vdim,
+            bias=bias,
+            xp=jnp,
+            dtype=dtype,
+            seed=seed,
+        )
+        self.names = tuple(params)
+        for name, value in params.items():
+            setattr(self, name, nnx.Param(value))
+
+    def params(self) -> dict[str, Any]:
+        """The parameters as the portable dict of arrays."""
+        return {name: getattr(self, name)[...] for name in self.names}
+
+    def __call__(
+        self,
+        query: Any,
+        key: Any = None,
+        value: Any = None,
+        *,
+        mask: Any = None,
+        bias: Any = None,
+        causal: bool | str = False,
+        key_padding_mask: Any = None,
+        need_weights: bool = False,
+        rng: Any = None,
+    ) -> Any:
+        """Batch-first attention in this package's conventions (True = may attend / real
+        key); returns ``out [B, Lq, E]`` or ``(out, weights [B, Hq, Lq, Lk])``."""
+        p = 0.0 if self.deterministic else self.dropout
+        if p > 0 and rng is None and self.rngs is not None:
+            rng = self.rngs.dropout()
+        return mha.multi_head_attention(
+            self.params(),
+            query,
+            key,
+            value,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            dropout=p,
+            rng=rng,
+            return_weights=need_weights,
+        )
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The parameters as NumPy arrays, keyed as in :mod:`portable_attention.mha`."""
+        return {name: np.asarray(v) for name, v in self.params().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load portable-format arrays of any framework (converted through NumPy/DLPack)."""
+        if set(state) != set(self.names):
+            msg = f"`state` keys {sorted(state)} != expected {sorted(self.names)}"
+            raise ValueError(msg)
+        for name in self.names:
+            param = getattr(self, name)
+            new = jnp.asarray(np.asarray(state[name]), dtype=param[...].dtype)
+            if new.shape != param[...].shape:
+                msg = f"`state[{name!r}]` has shape {new.shape}, expected {param[...].shape}"
+                raise ValueError(msg)
+            param[...] = new
