@@ -1,13 +1,13 @@
-"""A Transformer encoder layer on the portable functional core, run on NumPy and (if it is
-installed) PyTorch with the same weights.
+"""A Transformer encoder layer on the portable functional core, run on NumPy and (where
+installed) PyTorch and JAX with the same weights.
 
     python examples/encoder_layer.py
 
 The layer is written once against the array API (``array_api_compat.array_namespace``):
 multi-head self-attention (:func:`portable_attention.mha.multi_head_attention`), residual
 connections, layer norm (pre-norm or post-norm) and a ReLU feed-forward block. ``main()``
-checks that the output has the input's shape and differs from it, that NumPy and torch agree,
-and that torch's backward pass gives finite gradients for every parameter.
+checks that the output has the input's shape and differs from it, that the frameworks agree,
+and that torch's and jax's backward passes give finite gradients for every parameter.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def encoder_layer(
 
 
 def main() -> dict[str, Any]:
-    """Run the layer on NumPy and, if available, torch; return what was checked."""
+    """Run the layer on NumPy and, where installed, torch and jax; return what was checked."""
     b, length, embed_dim, num_heads, ffn_dim = 2, 5, 16, 4, 32
     params = init_layer(embed_dim, num_heads, ffn_dim)
     x = np.random.default_rng(0).standard_normal((b, length, embed_dim))
@@ -103,12 +103,19 @@ def main() -> dict[str, Any]:
         diff = np.abs(out - x).max()
         print(f"numpy  norm_first={norm_first}: out {out.shape}, max |out - x| = {diff:.3f}")
 
+    _run_torch(params, x, kpm, num_heads, results)
+    _run_jax(params, x, kpm, num_heads, results)
+    return results
+
+
+def _run_torch(
+    params: dict[str, Any], x: Any, kpm: Any, num_heads: int, results: dict[str, Any]
+) -> None:
     try:
         import torch
     except ImportError:
         print("torch not installed: skipped")
-        return results
-
+        return
     tparams = {n: torch.tensor(a, requires_grad=True) for n, a in params.items()}
     tx = torch.tensor(x, requires_grad=True)
     tkpm = torch.tensor(kpm)
@@ -130,7 +137,38 @@ def main() -> dict[str, Any]:
             n: g.numpy() for n, g in grads.items() if g is not None
         }
         print(f"torch  norm_first={norm_first}: matches numpy, {len(grads)} finite gradients")
-    return results
+
+
+def _run_jax(
+    params: dict[str, Any], x: Any, kpm: Any, num_heads: int, results: dict[str, Any]
+) -> None:
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        print("jax not installed: skipped")
+        return
+    jparams = {n: jnp.asarray(a) for n, a in params.items()}  # float32 unless x64 is on
+    jx, jkpm = jnp.asarray(x), jnp.asarray(kpm)
+    tol = 1e-10 if jx.dtype == jnp.float64 else 1e-4
+    for norm_first in (False, True):
+
+        def loss(p: dict[str, Any], h: Any, norm_first: bool = norm_first) -> Any:
+            out = encoder_layer(
+                p, h, num_heads=num_heads, key_padding_mask=jkpm, norm_first=norm_first
+            )
+            return jnp.sum(out**2), out
+
+        (_, out_j), (grads, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            jparams, jx
+        )
+        assert out_j.shape == x.shape
+        ref = results[f"numpy/norm_first={norm_first}"]
+        np.testing.assert_allclose(np.asarray(out_j), ref, rtol=tol, atol=tol)
+        assert all(bool(jnp.isfinite(g).all()) for g in grads.values())
+        assert bool(jnp.isfinite(gx).all())
+        results[f"jax/norm_first={norm_first}"] = np.asarray(out_j)
+        print(f"jax    norm_first={norm_first}: matches numpy, {len(grads)} finite gradients")
 
 
 if __name__ == "__main__":
