@@ -53,13 +53,6 @@ class Call:
         """Grouped-query (or multi-query) heads: ``Hq != Hk``."""
         return len(self.q_shape) > 2 and self.q_shape[-3] != self.k_shape[-3]
 
-    @property
-    def heads(self) -> tuple[int, int]:
-        """``(Hq, Hk)``; 2-D inputs have one implicit head."""
-        if len(self.q_shape) == 2:
-            return 1, 1
-        return self.q_shape[-3], self.k_shape[-3]
-
     def options(self) -> tuple[Any, ...]:
         """The options that can change which path runs (the plan-cache key, with types)."""
         return (
@@ -73,7 +66,7 @@ class Call:
             self.chunk_size,
             self.return_weights,
             self.return_lse,
-            self.heads[0] != self.heads[1],
+            self.grouped,
             self.q_shape[-2] != self.k_shape[-2],
             self.q_shape[-1] != self.v_shape[-1],
             0 in (self.q_shape[-2], self.k_shape[-2]),
