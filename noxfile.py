@@ -28,7 +28,7 @@ JAX_SPEC = os.environ.get("JAX_SPEC", "jax")  # the PyPI `jax` wheel runs on the
 
 SOURCES = ("portable_attention", "tests", "benchmarks", "examples", "noxfile.py")
 
-nox.options.sessions = ["tests-all", "lint"]
+nox.options.sessions = ["tests-all", "lint", "docs"]
 # Reuse environments between local runs (`nox -N` or `--reuse-venv=no` to rebuild).
 # Every session still runs its pip install, so a reused environment stays current.
 nox.options.reuse_venv = "yes"
@@ -51,13 +51,15 @@ def _dependency_group(name: str) -> list[str]:
 def _framework_requirements(backends: tuple[str, ...]) -> list[str]:
     reqs: list[str] = []
     if "torch" in backends:
-        reqs.append(TORCH_SPEC)
+        # transformers for the Hugging Face integration's tests; it does not pin torch,
+        # so the pinned CPU build above stays.
+        reqs += [TORCH_SPEC, "transformers"]
     if "jax" in backends:
         reqs += [JAX_SPEC, "flax"]  # flax for the NNX multi-head module's tests
     return reqs
 
 
-def _run_tests(session: nox.Session, backends: tuple[str, ...]) -> None:
+def _run_tests(session: nox.Session, backends: tuple[str, ...], *paths: str) -> None:
     # One pip call: the pinned torch is resolved together with the package and the test
     # group, so nothing can ask for a newer torch behind our back. The package is
     # installed without extras (its `torch`/`jax` extras are unpinned ranges).
@@ -66,7 +68,7 @@ def _run_tests(session: nox.Session, backends: tuple[str, ...]) -> None:
     if "jax" in backends:
         # CPU jaxlib; skip the accelerator probe and its warnings.
         env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
-    session.run("python", "-m", "pytest", *session.posargs, env=env)
+    session.run("python", "-m", "pytest", *paths, *session.posargs, env=env)
 
 
 @nox.session
@@ -110,3 +112,17 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", *SOURCES)
     session.run("ruff", "format", "--check", "--diff", *SOURCES)
     session.run("mypy", "-p", "portable_attention")
+
+
+@nox.session
+def properties(session: nox.Session) -> None:
+    """The hypothesis property suite alone, with every CPU backend, at a larger example count."""
+    session.env["HYPOTHESIS_PROFILE"] = "thorough"
+    _run_tests(session, ("numpy", "array_api_strict", "torch", "jax"), "tests/test_properties.py")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (MkDocs) with warnings as errors."""
+    session.install(".", *_dependency_group("docs"))
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / ".nox" / "site"))
