@@ -9,6 +9,8 @@ it runs unchanged under ``jax.jit`` and ``torch.compile``.
 from __future__ import annotations
 
 import math
+import operator
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +92,7 @@ def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
     info = _TYPES.get(type(x))
     if info is not None:
         return info
+    _refuse_numpy_special(name, x)
     if not array_api_compat.is_array_api_obj(x) or isinstance(x, (bool, int, float, complex)):
         msg = (
             f"`{name}` must be an array of your framework (NumPy, CuPy, PyTorch, JAX or "
@@ -108,6 +111,27 @@ def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
     if not (backend == "jax" and type(x).__module__ == "numpy"):  # JAX's float0 gradients
         _TYPES[type(x)] = info
     return info
+
+
+def _refuse_numpy_special(name: str, x: object) -> None:
+    """NumPy scalars are not arrays (as Python scalars are not); a masked array's mask
+    would be ignored silently: both are TypeErrors that say what to pass instead."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return
+    if isinstance(x, np.generic):
+        msg = (
+            f"`{name}` must be an array of your framework, got the NumPy scalar {x!r} of type "
+            f"{_type_name(x)}; convert it first, e.g. `xp.asarray({name})`."
+        )
+        raise TypeError(msg)
+    if isinstance(x, np.ma.MaskedArray):
+        msg = (
+            f"`{name}` is a numpy.ma.MaskedArray {_shape(x)}, whose mask attend would ignore; "
+            f"pass `{name}.filled(0.0)` (plain data) and express what is masked out with "
+            "`mask=` (boolean, True = may attend)."
+        )
+        raise TypeError(msg)
 
 
 def _cpu(x: Any) -> str:
@@ -179,6 +203,12 @@ def _check_dtypes(xp: Any, q: Any, k: Any, v: Any) -> None:
                 f"float64), got {x.dtype}; cast it with `xp.astype({name}, xp.float32)`."
             )
             raise TypeError(msg)
+        if xp.finfo(x.dtype).bits < 16:
+            msg = (
+                f"`{name}` has the 8-bit float dtype {x.dtype}, which attend does not compute "
+                f"in; cast it with `xp.astype({name}, xp.bfloat16)` (or float16/float32) first."
+            )
+            raise TypeError(msg)
     if not (q.dtype == k.dtype == v.dtype):
         msg = (
             "`q`, `k` and `v` must share one dtype, got "
@@ -205,7 +235,13 @@ def _check_shapes(q: Any, k: Any, v: Any) -> None:
         if hk != hv:
             msg = f"`k` and `v` must have the same number of heads (axis -3), got {shapes}."
             raise ValueError(msg)
-        if hk == 0 or hq % hk != 0:
+        if hk == 0:
+            msg = (
+                f"`k` and `v` have 0 heads (axis -3), got {shapes}; attend needs at least one "
+                "key/value head (an empty batch goes on a leading axis)."
+            )
+            raise ValueError(msg)
+        if hq % hk != 0:
             msg = (
                 f"the query heads of `q` ({hq}) must be a multiple of the key/value heads "
                 f"of `k` ({hk}) for grouped-query attention (axis -3), got {shapes}."
@@ -237,9 +273,11 @@ def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tup
     if mask is not None:
         if not xp.isdtype(mask.dtype, "bool"):
             msg = (
-                f"`mask` must be boolean (True = may attend), got dtype {mask.dtype}. For an "
-                "additive float mask (0 / -inf) pass it as `bias=` instead; for a 0/1 mask "
-                "use `mask=(m != 0)`."
+                f"`mask` must be boolean (True = may attend), got dtype {mask.dtype} of shape "
+                f"{_shape(mask)}. For an additive float mask (0 / -inf) pass it as `bias=` "
+                "instead; for a 0/1 mask where 1 = may attend use `mask=(m != 0)`, where "
+                "1 = masked out (the polarity of nn.MultiheadAttention's masks) use "
+                "`mask=(m == 0)`."
             )
             raise TypeError(msg)
         if not _broadcasts(_shape(mask), score_shape):
@@ -296,7 +334,7 @@ def normalize_window(window: object) -> tuple[int | None, int | None] | None:
     if window is None:
         return None
     sides: Sequence[object]
-    if isinstance(window, int) and not isinstance(window, bool):
+    if _as_int(window) is not None:
         sides = (window, window)
     elif isinstance(window, (tuple, list)) and len(window) == 2:
         sides = window
@@ -306,16 +344,26 @@ def normalize_window(window: object) -> tuple[int | None, int | None] | None:
             f"or None (unbounded), got {window!r}."
         )
         raise ValueError(msg)
-    for side in sides:
-        ok_int = isinstance(side, int) and not isinstance(side, bool) and side >= 0
-        if side is not None and not ok_int:
+    ints = [None if side is None else _as_int(side) for side in sides]
+    for side, as_int in zip(sides, ints, strict=True):
+        if side is not None and (as_int is None or as_int < 0):
             msg = (
                 "`window` sides must be ints >= 0 or None (unbounded), "
                 f"got {window!r}; a negative window keeps no key."
             )
             raise ValueError(msg)
-    left, right = sides
-    return (left, right)  # type: ignore[return-value]
+    return (ints[0], ints[1])
+
+
+def _as_int(value: object) -> int | None:
+    """A Python int from an int-like option (NumPy integers too), None for anything else
+    (bools included: ``window=True`` is a mistake, not 1)."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _real_number(name: str, value: object) -> float:
@@ -344,8 +392,12 @@ def _check_options(
         scale_f = 1.0 / math.sqrt(dk) if dk > 0 else 1.0
     else:
         scale_f = _real_number("scale", scale)
-        if not math.isfinite(scale_f):
-            msg = f"`scale` must be finite, got {scale_f!r}."
+        if not (scale_f > 0 and math.isfinite(scale_f)):
+            msg = (
+                f"`scale` must be a finite number > 0 (or None for 1/sqrt(Dk)), got {scale!r}; "
+                "0 would weigh every key alike and a negative scale inverts the attention "
+                "(check for an integer division such as `1 // d`)."
+            )
             raise ValueError(msg)
     softcap_f = None
     if softcap is not None:
@@ -363,7 +415,8 @@ def _check_options(
 def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+    size = _as_int(chunk_size)
+    if size is None or size <= 0:
         msg = f"`chunk_size` must be an int > 0 (or None for automatic), got {chunk_size!r}."
         raise ValueError(msg)
     if return_weights:
@@ -372,7 +425,17 @@ def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
             "matrix: drop `return_weights=True` or `chunk_size`."
         )
         raise ValueError(msg)
-    return chunk_size
+    return size
+
+
+def _flag(name: str, value: object) -> bool:
+    """``return_weights`` / ``return_lse``: True or False (NumPy's bool too), nothing else."""
+    if isinstance(value, bool) or (
+        type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    ):
+        return bool(value)
+    msg = f"`{name}` must be True or False, got {value!r} of type {_type_name(value)}."
+    raise TypeError(msg)
 
 
 def check_implementation(implementation: object) -> str:
@@ -397,10 +460,11 @@ def validate_call(
     dropout: object = 0.0,
     rng: object = None,
     chunk_size: object = None,
-    return_weights: bool = False,
-    return_lse: bool = False,
+    return_weights: object = False,
+    return_lse: object = False,
 ) -> Call:
     """Check every argument of ``attend``; return the normalised :class:`Call`."""
+    weights_f, lse_f = _flag("return_weights", return_weights), _flag("return_lse", return_lse)
     xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
     _check_dtypes(xp, q, k, v)
     _check_shapes(q, k, v)
@@ -425,9 +489,9 @@ def validate_call(
         softcap=softcap_f,
         dropout=dropout_f,
         seeded=rng is not None,
-        chunk_size=_check_chunk_size(chunk_size, bool(return_weights)),
-        return_weights=bool(return_weights),
-        return_lse=bool(return_lse),
+        chunk_size=_check_chunk_size(chunk_size, weights_f),
+        return_weights=weights_f,
+        return_lse=lse_f,
     )
 
 
@@ -438,6 +502,18 @@ def _signature(x: Any) -> tuple[Any, ...] | None:
 
 
 _KEYABLE = (bool, int, float, str, type(None))
+
+
+_KEYABLE_TYPES = frozenset(_KEYABLE)
+
+
+def _typed_options(options: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``options`` and their types; builtin scalars only (the common case, in C), else
+    each option through :func:`_typed`."""
+    types = tuple(map(type, options))
+    if _KEYABLE_TYPES.issuperset(types):
+        return (options, types)
+    return tuple(map(_typed, options))
 
 
 def _typed(option: object) -> object:
@@ -475,7 +551,7 @@ def call_key(q: Any, k: Any, v: Any, mask: Any, bias: Any, options: tuple[Any, .
             device(v),
             _signature(mask),
             _signature(bias),
-            *map(_typed, options),
+            *_typed_options(options),
         )
         hash(key)
     except Exception:  # anything unusual is validated in full
