@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from conftest import BACKEND_NAMES, ENV_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
+PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 
 SKIP_MARK = re.compile(r"^<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->$")
 FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^`]*$")
