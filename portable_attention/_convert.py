@@ -1,0 +1,482 @@
+"""Array conversion between frameworks: the one place the package moves arrays across them.
+
+:func:`to_backend` takes an array of NumPy, PyTorch, JAX, CuPy or array_api_strict (or any
+object with ``__dlpack__``) and returns the same data as an array of another of these
+frameworks. It tries DLPack first (``from_dlpack``: no copy where the memory can be shared)
+and falls back to a copy through NumPy where DLPack cannot carry the array (a strided view
+JAX cannot import, a read-only NumPy array, a dtype DLPack lacks). The dtype is kept
+exactly, bfloat16 included; a conversion that would change it is a ``TypeError``.
+
+The source framework is found the way ``array-api-compat`` finds it: from the array's type
+and ``sys.modules``. No framework is imported just to find out; only the *target* framework
+is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+BACKEND_NAMES = ("numpy", "torch", "jax", "cupy", "array_api_strict")
+"""Every name :func:`to_backend` knows, in the order :func:`available_backends` lists them."""
+
+# Dtypes NumPy has only through ml_dtypes (which comes with JAX); DLPack carries none of them
+# between NumPy and the other frameworks, so they move as same-width integers.
+_ML_DTYPES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+_DLPACK_ERRORS = (BufferError, RuntimeError, TypeError, ValueError, AttributeError)
+
+
+def _type_name(x: object) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+# -- which framework an array comes from -------------------------------------------------------
+
+
+def source_framework(x: object) -> str:
+    """The framework of array ``x``: one of :data:`BACKEND_NAMES`, or ``"dlpack"``.
+
+    ``"dlpack"`` is any other object with ``__dlpack__`` (another array-API library).
+    Python scalars, lists and tuples are not arrays: a ``TypeError``.
+    """
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, list, tuple, dict)):
+        msg = (
+            f"`x` must be an array (NumPy, PyTorch, JAX, CuPy or array_api_strict), got "
+            f"{_type_name(x)}; make an array of it first, e.g. `numpy.asarray(x)`."
+        )
+        raise TypeError(msg)
+    if array_api_compat.is_numpy_array(x):
+        return "numpy"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    if array_api_compat.is_jax_array(x):
+        return "jax"
+    if array_api_compat.is_cupy_array(x):
+        return "cupy"
+    if type(x).__module__.split(".")[0] == "array_api_strict":
+        return "array_api_strict"
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    msg = (
+        f"`x` must be an array (NumPy, PyTorch, JAX, CuPy, array_api_strict or any array "
+        f"with `__dlpack__`), got {_type_name(x)}."
+    )
+    raise TypeError(msg)
+
+
+def dtype_name(dtype: Any) -> str:
+    """A framework-neutral dtype name: ``float32``, ``bfloat16``, ``bool``, ..."""
+    name = getattr(dtype, "name", None)  # NumPy, JAX, CuPy and ml_dtypes dtypes
+    if not isinstance(name, str):
+        name = str(dtype)  # torch.float32, array_api_strict.float32
+    return name.rsplit(".", 1)[-1]
+
+
+# -- importing the target ------------------------------------------------------------------------
+
+_INSTALL = {
+    "numpy": "pip install numpy",
+    "torch": "pip install torch",
+    "jax": "pip install jax",
+    "cupy": "pip install cupy-cuda12x (or the build for your CUDA)",
+    "array_api_strict": "pip install array-api-strict",
+}
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or name not in BACKEND_NAMES:
+        msg = f"`name` must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {name!r}."
+        raise ValueError(msg)
+    return name
+
+
+def _import(name: str) -> Any:
+    """The target framework's module (``jax.numpy`` for jax); a ValueError if it won't import."""
+    try:
+        if name == "jax":
+            importlib.import_module("jax")
+            return importlib.import_module("jax.numpy")
+        return importlib.import_module(name)
+    except Exception as err:  # ImportError, or a broken install failing at import
+        msg = (
+            f"`name`={name!r}, but {name} does not import here ({err!r}); install it "
+            f"({_INSTALL[name]}) or pick one of available_backends()."
+        )
+        raise ValueError(msg) from err
+
+
+def _cupy_has_gpu(cupy: Any) -> bool:
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:
+        return False
+
+
+def available_backends() -> tuple[str, ...]:
+    """The names :func:`to_backend` can convert to here, NumPy first.
+
+    A framework counts when it imports; CuPy only where it also finds a GPU. The order is
+    that of :data:`BACKEND_NAMES`: ``numpy``, ``torch``, ``jax``, ``cupy``,
+    ``array_api_strict``.
+
+    Returns
+    -------
+    tuple of str
+        For example ``("numpy", "torch", "jax", "array_api_strict")``.
+    """
+    found = []
+    for name in BACKEND_NAMES:
+        try:
+            module = _import(name)
+        except ValueError:
+            continue
+        if name == "cupy" and not _cupy_has_gpu(module):
+            continue
+        found.append(name)
+    return tuple(found)
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|gpu|rocm|tpu)(?::(\d+))?$")
+
+
+def _parse_device(device: str) -> tuple[str, int]:
+    match = _DEVICE_RE.match(device.strip().lower())
+    if match is None:
+        msg = f"`device` must be a device string like 'cpu', 'cuda' or 'cuda:1', got {device!r}."
+        raise ValueError(msg)
+    return match.group(1), int(match.group(2) or 0)
+
+
+def _bad_device(name: str, device: object, what: str) -> ValueError:
+    msg = f"`device`={device!r} is not a device for name={name!r}: {what}."
+    return ValueError(msg)
+
+
+def _target_device(name: str, device: object, module: Any) -> Any:
+    """Check ``device`` for the target framework; return what its placement call takes."""
+    if device is None:
+        return None
+    if name == "torch":
+        torch = module
+        if isinstance(device, torch.device):
+            return device
+        if isinstance(device, (str, int)) and not isinstance(device, bool):
+            try:
+                return torch.device(device)
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise _bad_device(name, device, str(err)) from None
+        raise _bad_device(name, device, "pass a string like 'cpu' or 'cuda:1'")
+    if name == "jax":
+        import jax
+
+        if isinstance(device, jax.Device):
+            return device
+        if not isinstance(device, str):
+            raise _bad_device(name, device, "pass a string like 'cpu' or 'cuda:1'")
+        kind, index = _parse_device(device)
+        platform = "gpu" if kind in ("cuda", "rocm") else kind
+        try:
+            devices = jax.devices(platform)
+        except RuntimeError as err:
+            raise _bad_device(name, device, f"JAX has no {platform!r} devices ({err})") from None
+        if index >= len(devices):
+            raise _bad_device(name, device, f"JAX has {len(devices)} {platform} device(s)")
+        return devices[index]
+    if name == "numpy":
+        if isinstance(device, str) and device.strip().lower() == "cpu":
+            return None
+        raise _bad_device(name, device, "NumPy arrays live on the CPU; pass 'cpu' or None")
+    if name == "array_api_strict":
+        if isinstance(device, module.Device):
+            return device
+        if isinstance(device, str) and device.strip().lower() == "cpu":
+            return module.Device("CPU_DEVICE")
+        raise _bad_device(name, device, "pass 'cpu' or an array_api_strict.Device")
+    # cupy
+    if isinstance(device, module.cuda.Device):
+        return int(device.id)
+    if isinstance(device, str):
+        kind, index = _parse_device(device)
+        if kind in ("cuda", "gpu", "rocm"):
+            return index
+    raise _bad_device(name, device, "CuPy arrays live on a GPU; pass 'cuda' or 'cuda:N'")
+
+
+# -- to NumPy ----------------------------------------------------------------------------------
+
+
+def _ml_dtype(name: str, framework: str) -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:
+        msg = (
+            f"`x` has dtype {name}, which NumPy has only through the ml_dtypes package: "
+            f"install it (pip install ml_dtypes; it comes with jax) to convert {framework} "
+            f"{name} arrays to NumPy, or cast `x` to float32 first."
+        )
+        raise TypeError(msg) from None
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def _torch_plain(x: Any) -> Any:
+    """A torch tensor DLPack can export: detached, conjugate and negative bits resolved."""
+    x = x.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x
+
+
+def _strict_to_numpy(x: Any) -> np.ndarray:
+    # array_api_strict wraps NumPy; every device of it is host memory.
+    try:
+        return np.from_dlpack(x)
+    except _DLPACK_ERRORS:
+        cpu = type(x.device)("CPU_DEVICE")
+        return np.asarray(x.to_device(cpu))
+
+
+def _numpy_from(x: Any, src: str) -> np.ndarray:
+    if src == "numpy":
+        return np.asarray(x)  # np.generic -> 0-d array; an ndarray as it is
+    if src == "torch":
+        t = _torch_plain(x)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        name = dtype_name(t.dtype)
+        if name in _ML_DTYPES:
+            import torch
+
+            bits = getattr(torch, _ML_DTYPES[name])
+            return t.view(bits).numpy().view(_ml_dtype(name, "torch"))
+        try:
+            return np.from_dlpack(t)
+        except _DLPACK_ERRORS:
+            return t.numpy()
+    if src == "jax":
+        return np.asarray(x)  # copies from an accelerator; ml_dtypes for bfloat16
+    if src == "cupy":
+        return x.get()
+    if src == "array_api_strict":
+        return _strict_to_numpy(x)
+    try:
+        return np.from_dlpack(x)
+    except _DLPACK_ERRORS as err:
+        msg = f"`x` of type {_type_name(x)} cannot be converted to NumPy by DLPack: {err}"
+        raise TypeError(msg) from None
+
+
+# -- to each framework -------------------------------------------------------------------------
+
+
+def _torch_from_numpy(torch: Any, a: np.ndarray) -> Any:
+    name = a.dtype.name
+    if name in _ML_DTYPES:
+        return _torch_from_numpy(torch, a.view(_ML_DTYPES[name])).view(getattr(torch, name))
+    if any(s < 0 for s in a.strides):  # torch cannot hold negative strides (DLPack aborts)
+        a = np.ascontiguousarray(a)
+    try:
+        return torch.from_dlpack(a)
+    except _DLPACK_ERRORS:
+        return torch.from_numpy(np.array(a, copy=True))
+
+
+def _to_torch(x: Any, src: str, torch: Any) -> Any:
+    if src == "torch":
+        return _torch_plain(x)
+    if src in ("numpy", "array_api_strict"):
+        return _torch_from_numpy(torch, _numpy_from(x, src))
+    if src == "cupy" and any(s < 0 for s in x.strides):
+        x = x.copy()  # C-contiguous, positive strides
+    try:
+        return torch.from_dlpack(x)
+    except _DLPACK_ERRORS:
+        return _torch_from_numpy(torch, _numpy_from(x, src))
+
+
+def _to_jax(x: Any, src: str, jnp: Any) -> Any:
+    if src == "jax":
+        return x
+    if src == "torch":
+        x = _torch_plain(x)
+    if src in ("numpy", "array_api_strict"):
+        a = _numpy_from(x, src)
+        if a.dtype.name in _ML_DTYPES:
+            return jnp.asarray(a)
+        x = a
+    try:
+        return jnp.from_dlpack(x)
+    except _DLPACK_ERRORS:
+        pass
+    if src == "torch":  # a strided view JAX cannot import: compact it on its own device
+        try:
+            return jnp.from_dlpack(x.contiguous())
+        except _DLPACK_ERRORS:
+            pass
+    return jnp.asarray(np.ascontiguousarray(_numpy_from(x, src)))
+
+
+def _to_cupy(x: Any, src: str, cupy: Any) -> Any:
+    if src == "cupy":
+        return x
+    if src == "torch":
+        x = _torch_plain(x)
+    if src in ("torch", "jax", "dlpack"):
+        try:
+            return cupy.from_dlpack(x)
+        except _DLPACK_ERRORS:
+            pass
+    a = _numpy_from(x, src)
+    if a.dtype.name in _ML_DTYPES:
+        msg = f"`x` has dtype {a.dtype.name}, which CuPy does not have; cast it to float32 first."
+        raise TypeError(msg)
+    return cupy.asarray(a)
+
+
+def _to_strict(x: Any, src: str, xs: Any) -> Any:
+    if src == "array_api_strict":
+        return x
+    a = _numpy_from(x, src)
+    if a.dtype.name in _ML_DTYPES or not hasattr(xs, a.dtype.name):
+        msg = (
+            f"`x` has dtype {a.dtype.name}, which array_api_strict does not have; cast it "
+            "to float32 first (or compare 16-bit floats on numpy, torch and jax)."
+        )
+        raise TypeError(msg)
+    try:
+        return xs.from_dlpack(a)
+    except _DLPACK_ERRORS:
+        return xs.asarray(np.array(a, copy=True))
+
+
+def _place(out: Any, name: str, device: Any, module: Any) -> Any:
+    if device is None:
+        return out
+    if name == "torch":
+        return out.to(device)
+    if name == "jax":
+        import jax
+
+        return jax.device_put(out, device)
+    if name == "array_api_strict":
+        return out.to_device(device)
+    if name == "cupy":
+        with module.cuda.Device(device):
+            return module.asarray(out)  # copies across GPUs; a no-op on the same one
+    return out
+
+
+def _check_jax_x64(x: Any, jnp: Any) -> None:
+    import jax
+
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jax.config.jax_enable_x64:
+        return
+    itemsize = getattr(dtype, "itemsize", None)
+    if itemsize is None:  # torch dtypes
+        itemsize = getattr(x, "element_size", lambda: 0)()
+    if itemsize == 8:
+        msg = (
+            f"`x` has dtype {dtype_name(dtype)}, but JAX runs without 64-bit types and would "
+            "silently make it 32-bit: enable them with "
+            "`jax.config.update('jax_enable_x64', True)` at startup, or cast `x` first."
+        )
+        raise TypeError(msg)
+
+
+_CONVERTERS = {"torch": _to_torch, "jax": _to_jax, "cupy": _to_cupy, "array_api_strict": _to_strict}
+
+
+def to_backend(x: Any, name: str, device: Any = None) -> Any:
+    """Convert array ``x`` to an array of the framework ``name``.
+
+    DLPack first (``from_dlpack``: the result shares memory with ``x`` where the framework
+    allows it), NumPy as the fallback (a copy). The dtype is kept exactly; arrays already of
+    the target framework come back as they are (moved when ``device`` asks for it).
+
+    Parameters
+    ----------
+    x : array
+        A NumPy, PyTorch, JAX, CuPy or array_api_strict array (or any array with
+        ``__dlpack__``). Python scalars and lists are not arrays: make them one first.
+        A torch tensor that requires grad is **detached**: the result is data, outside the
+        autograd graph (convert back and reattach if you need gradients).
+    name : {"numpy", "torch", "jax", "cupy", "array_api_strict"}
+        The target framework; it must import (see :func:`available_backends`).
+    device : str or framework device, optional
+        Where the result lives: a torch-style string (``"cpu"``, ``"cuda"``, ``"cuda:1"``)
+        or the target framework's own device object. For JAX ``"cuda:1"`` means
+        ``jax.devices("gpu")[1]``. ``None`` (default) keeps the source's device where the
+        target can use it (a CUDA torch tensor stays on the GPU for jax and cupy), and the
+        host for NumPy and array_api_strict; GPU arrays go to the host for NumPy.
+
+    Returns
+    -------
+    array
+        An array of framework ``name`` with the values, shape and dtype of ``x``.
+
+    Raises
+    ------
+    ValueError
+        ``name`` unknown or not installed, ``device`` not valid for the target.
+    TypeError
+        ``x`` is not an array; or its dtype does not exist in the target (bfloat16 in
+        NumPy without ``ml_dtypes``, in array_api_strict or CuPy; 64-bit types in JAX
+        without ``jax_enable_x64``).
+
+    Notes
+    -----
+    bfloat16 (and the float8 types) become ``ml_dtypes`` dtypes in NumPy; they travel
+    between NumPy and torch as same-width integers, bit for bit. Inputs are never modified,
+    but the result may share their memory: write to a copy.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attention.testing import to_backend
+    >>> t = to_backend(np.ones((2, 3), dtype=np.float32), "torch")
+    >>> t.dtype, tuple(t.shape)
+    (torch.float32, (2, 3))
+    """
+    name = _check_name(name)
+    src = source_framework(x)
+    module = _import(name)
+    target_device = _target_device(name, device, module)
+    if name == "jax":
+        _check_jax_x64(x, module)
+    out = _numpy_from(x, src) if name == "numpy" else _CONVERTERS[name](x, src, module)
+    out = _place(out, name, target_device, module)
+    before, after = dtype_name(getattr(x, "dtype", None)), dtype_name(out.dtype)
+    if before not in ("None", after):
+        msg = (
+            f"converting `x` of dtype {before} to {name} gave dtype {after}; the "
+            "conversion must keep the dtype: cast `x` to a dtype both frameworks have."
+        )
+        raise TypeError(msg)
+    return out
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """``to_backend(x, "numpy")``: the array as a NumPy array (on the host, detached).
+
+    Parameters
+    ----------
+    x : array
+        An array of any framework :func:`to_backend` knows.
+
+    Returns
+    -------
+    numpy.ndarray
+        Same values, shape and dtype (bfloat16 as ``ml_dtypes.bfloat16``); it may share
+        memory with ``x`` and may be read-only (JAX arrays are immutable).
+    """
+    out: np.ndarray = to_backend(x, "numpy")
+    return out
