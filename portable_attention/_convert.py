@@ -378,7 +378,7 @@ def _check_jax_x64(x: Any, jnp: Any) -> None:
     import jax
 
     dtype = getattr(x, "dtype", None)
-    if dtype is None or jax.config.jax_enable_x64:
+    if dtype is None or jax.config.read("jax_enable_x64"):
         return
     itemsize = getattr(dtype, "itemsize", None)
     if itemsize is None:  # torch dtypes
