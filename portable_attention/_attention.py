@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from portable_attention import _core
@@ -9,9 +10,12 @@ from portable_attention._plan import CHUNKED, Plan, choose
 from portable_attention._validate import Call, call_key, check_implementation, validate_call
 from portable_attention.backends import adapter
 
-#: Validated calls and their paths by :func:`call_key`: a repeated call (same types,
+#: Runs a validated call: ``run(q, k, v, mask, bias, rng) -> attend's result``.
+Runner = Callable[[Any, Any, Any, Any, Any, Any], Any]
+
+#: Validated calls and their runners by :func:`call_key`: a repeated call (same types,
 #: shapes, dtypes, devices and options) skips validation and planning. Never data.
-_calls: dict[Any, tuple[Call, str]] = {}
+_calls: dict[Any, tuple[Call, Runner]] = {}
 _CALLS_MAX = 4096
 
 
@@ -118,23 +122,45 @@ def attend(
             return_weights=return_weights,
             return_lse=return_lse,
         )
-        known = (call, choose(call, check_implementation(implementation)).path)
+        path = choose(call, check_implementation(implementation)).path
+        known = (call, _runner(call, path))
         if key is not None:
             if len(_calls) >= _CALLS_MAX:
                 _calls.clear()
             _calls[key] = known
-    call, path = known
+    return known[1](q, k, v, mask, bias, rng)
+
+
+def _runner(call: Call, path: str) -> Runner:
+    """The function that runs ``call`` on ``path``, built once per memo entry.
+
+    Everything that depends only on the call (the adapter, the path, the kernel's fixed
+    arguments) is bound here, so a repeated call pays for the kernel and little else.
+    """
     backend = adapter(call.backend)
-    keep = _keep_mask(call, rng)
     if path.startswith("fused"):
-        return backend.run_fused(call, q, k, v, mask, bias)
-    if path.startswith("native"):
-        return _pack(call, *backend.run_native(call, q, k, v, mask, bias, keep))
-    if path == CHUNKED:
-        out, lse = _core.chunked(call, q, k, v, mask, bias, keep)
-        return _pack(call, out, None, lse)
-    out, weights, lse = _core.dense(call, q, k, v, mask, bias, keep)
-    return _pack(call, out, weights, lse)
+        # A kernel of (q, k, v) alone, where the adapter can bind everything else.
+        prepare = getattr(backend, "prepare_fused", None)
+        kernel = prepare(call) if prepare is not None and not call.seeded else None
+        if kernel is not None:
+            return lambda q, k, v, mask, bias, rng: kernel(q, k, v)
+
+        def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+            _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
+            return backend.run_fused(call, q, k, v, mask, bias)
+
+        return run_fused
+
+    def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+        keep = _keep_mask(call, rng)
+        if path.startswith("native"):
+            return _pack(call, *backend.run_native(call, q, k, v, mask, bias, keep))
+        if path == CHUNKED:
+            out, lse = _core.chunked(call, q, k, v, mask, bias, keep)
+            return _pack(call, out, None, lse)
+        return _pack(call, *_core.dense(call, q, k, v, mask, bias, keep))
+
+    return run
 
 
 def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:

@@ -3,6 +3,8 @@ dropout from a ``torch.Generator`` (torch's global RNG when None)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,6 +85,23 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
         has_key = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         out = torch.where(has_key.any(dim=-1, keepdim=True), out, 0)
     return out
+
+
+def prepare_fused(call: _validate.Call) -> Callable[[Any, Any, Any], Any] | None:
+    """SDPA of ``(q, k, v)`` with the rest of ``call`` bound, where no mask is needed (no
+    mask, bias or window; causal only where SDPA's own flag is exact); else None."""
+    if call.mask_shape is not None or call.bias_shape is not None:
+        return None
+    allowed, is_causal = _core.kernel_mask(call, None, None)
+    if allowed is not None:
+        return None
+    return functools.partial(
+        F.scaled_dot_product_attention,
+        dropout_p=call.dropout,
+        is_causal=is_causal,
+        scale=call.scale,
+        **_GQA_KWARGS[call.grouped],
+    )
 
 
 FUSED_WHY = "torch.nn.functional.scaled_dot_product_attention covers every option of this call"
