@@ -236,7 +236,7 @@ def _softmax_parts(xp: Any, s: Any) -> tuple[Any, Any, Any]:
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
     e = xp.exp(s - m_safe)
     denom = xp.sum(e, axis=-1, keepdims=True)
-    has_key = denom > 0
+    has_key = denom != 0  # NaN rows keep NaN (lse too); only empty rows get -inf
     denom_safe = xp.where(has_key, denom, 1.0)
     lse = xp.where(has_key, xp.log(denom_safe) + m_safe, -xp.inf)
     return e, denom_safe, lse[..., 0]
@@ -290,7 +290,7 @@ def chunked(
                 e = xp.where(keep_mask(tuple(s.shape)), e / (1.0 - call.dropout), 0.0)
             acc = rescale * acc + xp.matmul(e, ops.v[..., cols[0] : cols[1], :])
             m = m_new
-        has_key = total > 0
+        has_key = total != 0  # NaN rows keep NaN, as in dense
         total_safe = xp.where(has_key, total, 1.0)
         m_safe = xp.where(xp.isfinite(m), m, 0.0)
         out_blocks.append(acc / total_safe)

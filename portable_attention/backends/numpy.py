@@ -146,7 +146,7 @@ def _block(
         block_sum, total = both[..., :-1], both[..., -1:]
     else:
         total = s.sum(axis=-1, keepdims=True)
-    has_key = total > 0
+    has_key = total != 0  # NaN rows keep NaN (lse too), as in _core
     total[~has_key] = 1.0
     if weights is not None:
         np.divide(s, total, out=weights[..., r, :])
