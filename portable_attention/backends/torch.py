@@ -95,13 +95,9 @@ def prepare_fused(call: _validate.Call) -> Callable[[Any, Any, Any], Any] | None
     allowed, is_causal = _core.kernel_mask(call, None, None)
     if allowed is not None:
         return None
-    return functools.partial(
-        F.scaled_dot_product_attention,
-        dropout_p=call.dropout,
-        is_causal=is_causal,
-        scale=call.scale,
-        **_GQA_KWARGS[call.grouped],
-    )
+    bound: dict[str, Any] = {"dropout_p": call.dropout, "is_causal": is_causal}
+    bound.update(scale=call.scale, **_GQA_KWARGS[call.grouped])
+    return functools.partial(F.scaled_dot_product_attention, **bound)
 
 
 FUSED_WHY = "torch.nn.functional.scaled_dot_product_attention covers every option of this call"
