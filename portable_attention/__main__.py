@@ -1,18 +1,20 @@
-"""``python -m portable_attention``: run one small attention on every installed framework.
+"""``python -m portable_attention``: the consistency report, the demo and the benchmark.
 
-The demo builds a fixed NumPy example, prints the output and the attention weights of
-``attend``, then passes the same inputs as PyTorch and JAX arrays (each only if it is
-installed) through the same ``attend``, once with ``return_weights=True`` and once
-without (where ``implementation="auto"`` may pick the framework's fused kernel), and
-checks every result against NumPy, naming the path ``plan()`` chose. Exit status 0 when
-all agree, 1 when one disagrees beyond ``TOLERANCE``.
+Without a command (or with ``report``) it runs the cross-framework consistency report of
+:mod:`portable_attention._report` (``--help`` lists its options).
+
+``python -m portable_attention demo`` builds a fixed NumPy example, prints the output and
+the attention weights of ``attend``, then passes the same inputs as PyTorch and JAX arrays
+(each only if it is installed) through the same ``attend``, once with
+``return_weights=True`` and once without (where ``implementation="auto"`` may pick the
+framework's fused kernel), and checks every result against NumPy, naming the path
+``plan()`` chose. Exit status 0 when all agree, 1 when one disagrees beyond ``TOLERANCE``.
 
 ``python -m portable_attention bench`` hands its arguments to ``_bench.main``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
@@ -25,6 +27,12 @@ import numpy.typing as npt
 from portable_attention import attend, plan
 
 TOLERANCE = 1e-5
+DEMO_HELP = (
+    "Run one small attention (float32, causal, [B=1, H=2, L=4, D=8]) through attend on NumPy "
+    "and print its output and weights; run the same inputs as torch and jax arrays (where "
+    "installed) and print how far each is from NumPy, and the path plan() chose. Exit "
+    f"status 1 if any differs by more than {TOLERANCE:g}."
+)
 SEED = 0
 B, H, L, D = 1, 2, 4, 8
 
@@ -161,39 +169,32 @@ def demo() -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m portable_attention",
-        description=(
-            "demo (the default): run one small attention through portable_attention.attend "
-            "on NumPy and on every installed framework (torch, jax), print it, and check "
-            f"they agree (exit 1 if any differs by more than {TOLERANCE:g})."
-        ),
-    )
-    parser.add_argument("--version", action="version", version=f"portable_attention {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands.add_parser("demo", help="the cross-framework example (the default)")
-    commands.add_parser(
-        "bench",
-        help="time attend against torch SDPA, jax.nn and plain NumPy (bench --help)",
-        add_help=False,
-    )
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m portable_attention``; returns the exit status."""
+    """Entry point of ``python -m portable_attention``; returns the exit status.
+
+    ``demo`` runs :func:`demo`, ``bench ...`` hands the rest to ``_bench.main``; anything
+    else (no command at all, or options) runs the consistency report,
+    :func:`portable_attention._report.main`.
+    """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["bench"]:  # the benchmark parses its own options
         from portable_attention import _bench
 
         return _bench.main(arguments[1:])
-    parser = _parser()
-    args = parser.parse_args(arguments)
-    if args.command in (None, "demo"):
+    if arguments[:1] == ["demo"]:
+        if arguments[1:] and arguments[1] in ("-h", "--help"):
+            print("usage: python -m portable_attention demo\n\n" + DEMO_HELP)
+            return 0
+        if arguments[1:]:
+            msg = f"python -m portable_attention demo: takes no arguments, got {arguments[1:]}"
+            print(msg, file=sys.stderr)
+            return 2
         return demo()
-    parser.error(f"unknown command {args.command!r}")  # argparse exits with status 2
-    return 2
+    if arguments[:1] == ["report"]:
+        arguments = arguments[1:]
+    from portable_attention import _report
+
+    return _report.main(arguments)
 
 
 if __name__ == "__main__":
