@@ -88,7 +88,7 @@ class Target:
         return self.label or self.backend
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     """The result of one call: one line of the table, one object of ``--json``."""
 
@@ -97,11 +97,11 @@ class Row:
     device: str
     dtype: str
     path: str = "-"
-    max_abs: float = math.nan
-    max_rel: float = math.nan
-    vs_others: float = 0.0
+    max_abs: float | None = None  # None: not computed (the call failed)
+    max_rel: float | None = None
+    vs_others: float | None = None  # None: no other backend ran this case and dtype
     verdict: str = "agree"
-    ms: float = math.nan
+    ms: float | None = None
     error: str = ""
     result: list[Array] = field(default_factory=list, repr=False)
 
@@ -115,9 +115,9 @@ class Row:
         data.update(
             vs_others=self.vs_others, verdict=self.verdict, ok=self.ok, ms=self.ms, error=self.error
         )
-        # JSON has no NaN/inf: those become null (a failed call, a NaN result).
+        # JSON has no NaN/inf: they become strings ("nan", "inf"); null: not computed.
         return {
-            n: (None if isinstance(x, float) and not math.isfinite(x) else x)
+            n: (str(x) if isinstance(x, float) and not math.isfinite(x) else x)
             for n, x in data.items()
         }
 
@@ -238,6 +238,13 @@ def _within(x: Array, y: Array, ref: Array, dtype: str) -> bool:
     return x.shape == y.shape and bool(np.all(np.abs(x - y) <= atol + rtol * np.abs(ref)))
 
 
+def _worst(a: float | None, b: float) -> float:
+    """The larger error; NaN wins (a NaN result must not hide behind a smaller number)."""
+    if a is None:
+        return b
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def _max_abs(x: Array, y: Array) -> float:
     if x.shape != y.shape:
         return math.inf
@@ -257,11 +264,17 @@ def compare(rows: Sequence[Row], references: Mapping[tuple[str, str], list[Array
         if len(row.result) != len(ref):
             row.verdict, row.error = "DISAGREE", f"{len(row.result)} results, expected {len(ref)}"
             continue
-        row.max_abs = max(_max_abs(x, r) for x, r in zip(row.result, ref, strict=True))
+        worst = max_abs = math.nan if not ref else 0.0
+        for x, r in zip(row.result, ref, strict=True):
+            max_abs = _max_abs(x, r)
+            worst = _worst(worst, max_abs)
         scale = max(float(np.max(np.abs(r))) if r.size else 0.0 for r in ref)
-        row.max_rel = row.max_abs / scale if scale > 0 else row.max_abs
+        row.max_abs, row.max_rel = worst, (worst / scale if scale > 0 else worst)
         if not all(_within(x, r, r, row.dtype) for x, r in zip(row.result, ref, strict=True)):
             row.verdict = "DISAGREE"
+    # Pairwise: results that each agree with the oracle must agree with each other too.
+    # (A row already off the oracle is reported as such, and does not blame the others.)
+    near_oracle = {id(row) for row in rows if row.ok}
     for row in rows:
         if row.error:
             continue
@@ -270,8 +283,13 @@ def compare(rows: Sequence[Row], references: Mapping[tuple[str, str], list[Array
             if other is row or other.error or (other.case, other.dtype) != (row.case, row.dtype):
                 continue
             pairs = list(zip(row.result, other.result, ref, strict=False))
-            row.vs_others = max(row.vs_others, *(_max_abs(x, y) for x, y, _ in pairs))
-            if row.ok and not all(_within(x, y, r, row.dtype) for x, y, r in pairs):
+            for x, y, _ in pairs:
+                row.vs_others = _worst(row.vs_others, _max_abs(x, y))
+            if (
+                row.ok
+                and id(other) in near_oracle
+                and not all(_within(x, y, r, row.dtype) for x, y, r in pairs)
+            ):
                 row.verdict = f"DISAGREE vs {other.backend}/{other.device}"
 
 
@@ -281,7 +299,11 @@ Progress = Callable[[int, int, str], None]
 def run(
     cases: Sequence[Case], run_on: Sequence[Target], *, progress: Progress | None = None
 ) -> list[Row]:
-    """Every case on every target in each of its dtypes, compared; the rows in that order."""
+    """Every case on every target in each of its dtypes, compared.
+
+    Runs target by target (one dtype at a time, so JAX compiles each shape once); returns
+    the rows ordered by case, then dtype, then target, as the table prints them.
+    """
     jobs = [(t, d, c) for t in run_on for d in t.dtypes for c in cases]
     rows = []
     for i, (target, dtype, case) in enumerate(jobs, 1):
@@ -308,8 +330,8 @@ COLUMNS: tuple[str, ...] = ("case", "backend", "device", "dtype", "path", "max a
 COLUMNS += ("max rel err", "vs others", "verdict", "ms")
 
 
-def _num(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.1e}"
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -325,7 +347,7 @@ def table(rows: Sequence[Row]) -> str:
             _num(r.max_rel),
             _num(r.vs_others),
             r.verdict,
-            "-" if math.isnan(r.ms) else f"{r.ms:.2f}",
+            "-" if r.ms is None else f"{r.ms:.2f}",
         )
         for r in rows
     ]
@@ -430,6 +452,12 @@ def plot_weights(
 # -- command line ---------------------------------------------------------------------------------
 
 
+def _package_version() -> str:
+    from portable_attention import __version__
+
+    return __version__
+
+
 def _names(text: str, known: Sequence[str], what: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
@@ -482,6 +510,9 @@ def parser() -> argparse.ArgumentParser:
         help=f"the case --plot draws (default: {PLOT_CASE})",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
+    p.add_argument(
+        "--version", action="version", version=f"portable_attention {_package_version()}"
+    )
     return p
 
 
