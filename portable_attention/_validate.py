@@ -385,11 +385,16 @@ def _real_number(name: str, value: object) -> float:
     return float(value)
 
 
+def default_scale(dk: int) -> float:
+    """The score scale when ``scale=None``: ``1 / sqrt(Dk)`` (1 for ``Dk == 0``)."""
+    return 1.0 / math.sqrt(dk) if dk > 0 else 1.0
+
+
 def _check_options(
     scale: object, softcap: object, dropout: object, dk: int
 ) -> tuple[float, float | None, float]:
     if scale is None:
-        scale_f = 1.0 / math.sqrt(dk) if dk > 0 else 1.0
+        scale_f = default_scale(dk)
     else:
         scale_f = _real_number("scale", scale)
         if not (scale_f > 0 and math.isfinite(scale_f)):

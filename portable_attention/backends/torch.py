@@ -95,8 +95,15 @@ def prepare_fused(call: _validate.Call) -> Callable[[Any, Any, Any], Any] | None
     allowed, is_causal = _core.kernel_mask(call, None, None)
     if allowed is not None:
         return None
-    bound: dict[str, Any] = {"dropout_p": call.dropout, "is_causal": is_causal}
-    bound.update(scale=call.scale, **_GQA_KWARGS[call.grouped])
+    # Only what differs from SDPA's defaults: each keyword costs torch's parser time.
+    # (SDPA's default scale is 1/sqrt(Dk) in double precision, the same number as ours.)
+    bound: dict[str, Any] = dict(_GQA_KWARGS[call.grouped])
+    if call.dropout > 0:
+        bound["dropout_p"] = call.dropout
+    if is_causal:
+        bound["is_causal"] = True
+    if call.scale != _validate.default_scale(call.q_shape[-1]):
+        bound["scale"] = call.scale
     return functools.partial(F.scaled_dot_product_attention, **bound)
 
 
