@@ -357,33 +357,33 @@ def _to_strict(x: Any, src: str, xs: Any) -> Any:
         return xs.asarray(np.array(a, copy=True))
 
 
-def _place(out: Any, name: str, device: Any, module: Any) -> Any:
+def _place(out: Any, name: str, device: Any, module: Any, asked: object) -> Any:
     if device is None:
         return out
-    if name == "torch":
-        return out.to(device)
-    if name == "jax":
-        import jax
+    try:
+        if name == "torch":
+            return out.to(device)
+        if name == "jax":
+            import jax
 
-        return jax.device_put(out, device)
-    if name == "array_api_strict":
-        return out.to_device(device)
-    if name == "cupy":
-        with module.cuda.Device(device):
-            return module.asarray(out)  # copies across GPUs; a no-op on the same one
+            return jax.device_put(out, device)
+        if name == "array_api_strict":
+            return out.to_device(device)
+        if name == "cupy":
+            with module.cuda.Device(device):
+                return module.asarray(out)  # copies across GPUs; a no-op on the same one
+    except Exception as err:  # e.g. torch without CUDA: an AssertionError from deep inside
+        raise _bad_device(name, asked, f"{type(err).__name__}: {err}") from err
     return out
 
 
-def _check_jax_x64(x: Any, jnp: Any) -> None:
+def _check_jax_x64(x: Any) -> None:
     import jax
 
     dtype = getattr(x, "dtype", None)
     if dtype is None or jax.config.read("jax_enable_x64"):
         return
-    itemsize = getattr(dtype, "itemsize", None)
-    if itemsize is None:  # torch dtypes
-        itemsize = getattr(x, "element_size", lambda: 0)()
-    if itemsize == 8:
+    if dtype_name(dtype) in ("float64", "int64", "uint64", "complex128"):
         msg = (
             f"`x` has dtype {dtype_name(dtype)}, but JAX runs without 64-bit types and would "
             "silently make it 32-bit: enable them with "
@@ -451,9 +451,9 @@ def to_backend(x: Any, name: str, device: Any = None) -> Any:
     module = _import(name)
     target_device = _target_device(name, device, module)
     if name == "jax":
-        _check_jax_x64(x, module)
+        _check_jax_x64(x)
     out = _numpy_from(x, src) if name == "numpy" else _CONVERTERS[name](x, src, module)
-    out = _place(out, name, target_device, module)
+    out = _place(out, name, target_device, module, device)
     before, after = dtype_name(getattr(x, "dtype", None)), dtype_name(out.dtype)
     if before not in ("None", after):
         msg = (
