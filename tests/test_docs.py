@@ -106,15 +106,31 @@ def _selected(backend: str) -> bool:
     return any(name == backend or name.startswith(backend + "_") for name in BACKEND_NAMES)
 
 
-PAGE_BLOCKS = {page: blocks(page) for page in PAGES}
-SKIPPED = [b for page in PAGES for b in PAGE_BLOCKS[page] if b.skip is not None]
+def _parse(page: Path) -> list[Block] | ValueError:
+    try:
+        return blocks(page)
+    except ValueError as err:  # reported by that page's test, not at collection
+        return err
+
+
+PAGE_BLOCKS = {page: _parse(page) for page in PAGES}
+SKIPPED = [
+    b
+    for found in PAGE_BLOCKS.values()
+    if not isinstance(found, ValueError)
+    for b in found
+    if b.skip is not None
+]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_page_examples_run(
     page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    runnable = [b for b in PAGE_BLOCKS[page] if b.skip is None]
+    found = PAGE_BLOCKS[page]
+    if isinstance(found, ValueError):
+        raise found
+    runnable = [b for b in found if b.skip is None]
     if not runnable:
         pytest.skip(f"{_name(page)} has no runnable python block")
     backends: set[str] = set()
