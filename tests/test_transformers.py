@@ -1,0 +1,321 @@
+"""Hugging Face transformers integration: tiny randomly initialised models built from configs
+(no download) run with ``attn_implementation="portable"`` and agree with transformers' own
+``eager`` and ``sdpa`` on every real (non-padded) position: Llama (grouped-query heads,
+left and right padding, float32 and float64, greedy generation with dynamic and static
+caches, attention weights, additive 4-D masks, dropout), Gemma 2 (softcap and sliding
+window) and Mistral (sliding window)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from conftest import BY_NAME
+
+if "torch" not in BY_NAME:
+    pytest.skip("the torch backend is not selected", allow_module_level=True)
+
+# torch is selected: transformers must import (nox installs it with torch); never skipped.
+import torch
+import transformers
+from portable_attention.integrations import transformers as hf
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig
+
+NAME = hf.register()
+SEQ = 9
+# Weights large enough that attention is far from uniform (transformers' default init of
+# 0.02 leaves the scores near 0, where a wrong mask would hardly show).
+INIT = 0.3
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "initializer_range": INIT,
+}
+# float32 logits of eager vs portable measured up to 6e-6 (sdpa vs portable: 0, the same
+# kernel); float64 vs sdpa 1e-15.
+TOL = {torch.float32: 5e-5, torch.float64: 1e-11}
+
+
+def llama() -> LlamaConfig:
+    return LlamaConfig(**SMALL)
+
+
+def gemma2() -> Gemma2Config:
+    return Gemma2Config(
+        **SMALL,
+        head_dim=16,
+        sliding_window=4,
+        attn_logit_softcapping=2.0,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def mistral() -> MistralConfig:
+    return MistralConfig(**SMALL, sliding_window=3)
+
+
+def build(config: Any, impl: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The same random weights for every ``impl`` (a copy of the config each: transformers
+    writes the implementation into the config it is given)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+    assert model.config._attn_implementation == impl
+    return model.to(dtype).eval()
+
+
+def batch(padding: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[3, SEQ]`` and the 2-D padding mask (1 = real token)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SMALL["vocab_size"], (3, SEQ), generator=gen)
+    am = torch.ones(3, SEQ, dtype=torch.long)
+    if padding == "left":
+        am[0, :4] = 0
+        am[2, :1] = 0
+    elif padding == "right":
+        am[0, 5:] = 0
+        am[1, 8:] = 0
+    return ids, am
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
+    """Largest |a - b| over the real positions ``real [B, L]`` of ``[B, L, ...]`` tensors."""
+    return (a - b)[real.bool()].abs().max().item()
+
+
+def logits(model: Any, ids: torch.Tensor, am: torch.Tensor | None, **kw: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, attention_mask=am, **kw).logits
+
+
+# -- registration ----------------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_returns_the_name() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert hf.register() == NAME == "portable"
+    assert hf.register("portable_again") == "portable_again"
+    assert transformers.AttentionInterface._global_mapping[NAME] is hf.attention_forward
+    # the boolean (True = may attend) mask builder of transformers' sdpa
+    assert ALL_MASK_ATTENTION_FUNCTIONS[NAME] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    for bad in ("", "sdpa", "eager", "flash_attention_2"):
+        with pytest.raises(ValueError, match="`name`"):
+            hf.register(bad)
+
+
+# -- Llama: padding, dtypes, weights, generation ---------------------------------------------
+
+
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_llama_float32_matches_eager_and_sdpa(padding: str | None) -> None:
+    ids, am = batch(padding)
+    mask = None if padding is None else am
+    ours = logits(build(llama(), NAME), ids, mask)
+    for impl in ("eager", "sdpa"):
+        theirs = logits(build(llama(), impl), ids, mask)
+        assert theirs.dtype == ours.dtype == torch.float32
+        assert theirs.shape == ours.shape == (3, SEQ, SMALL["vocab_size"])
+        assert max_diff(ours, theirs, am) < TOL[torch.float32], impl
+
+
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_llama_float64_matches_sdpa(padding: str | None) -> None:
+    """float64 against sdpa (eager softmaxes in float32, and its float64-minimum additive
+    mask becomes -inf there: NaN on padded rows that spreads). With ``output_attentions``
+    the portable core runs instead of torch's kernel: it agrees too."""
+    ids, am = batch(padding)
+    mask = None if padding is None else am
+    theirs = logits(build(llama(), "sdpa", torch.float64), ids, mask)
+    ours = build(llama(), NAME, torch.float64)
+    for kw in ({}, {"output_attentions": True}):
+        got = logits(ours, ids, mask, **kw)
+        assert got.dtype == torch.float64
+        assert max_diff(got, theirs, am) < TOL[torch.float64], kw
+
+
+def test_output_attentions_match_eager() -> None:
+    ids, am = batch("left")
+    theirs = build(llama(), "eager")
+    ours = build(llama(), NAME)
+    with torch.no_grad():
+        a = theirs(ids, attention_mask=am, output_attentions=True)
+        b = ours(ids, attention_mask=am, output_attentions=True)
+        plain = ours(ids, attention_mask=am)
+    assert max_diff(a.logits, b.logits, am) < TOL[torch.float32]
+    assert max_diff(plain.logits, b.logits, am) < TOL[torch.float32]
+    assert len(b.attentions) == len(a.attentions) == SMALL["num_hidden_layers"]
+    rows = am.bool()[:, None, :, None].expand(-1, SMALL["num_attention_heads"], -1, SEQ)
+    for wa, wb in zip(a.attentions, b.attentions, strict=True):
+        assert wb.shape == wa.shape == (3, SMALL["num_attention_heads"], SEQ, SEQ)
+        assert (wa - wb)[rows].abs().max().item() < 1e-5
+        # query rows with no key to attend (leading pads): 0 here, uniform in eager
+        assert torch.all(wb[~rows] == 0)
+        assert torch.all(wa[~rows] > 0)
+
+
+def test_output_attentions_from_config() -> None:
+    ids, am = batch("left")
+    config = llama()
+    config.output_attentions = True
+    out = build(config, NAME)(ids, attention_mask=am)
+    assert len(out.attentions) == SMALL["num_hidden_layers"]
+    assert out.attentions[0].shape == (3, SMALL["num_attention_heads"], SEQ, SEQ)
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_llama_greedy_generate_matches_eager(cache: str | None) -> None:
+    """Decode steps are one query against all cached keys. The static cache's prefill comes
+    with no mask and keys past the prompt that are unfilled slots: upper-left causal."""
+    ids, am = batch("left" if cache is None else None)
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    if cache is not None:
+        kw["cache_implementation"] = cache
+    seqs = [build(llama(), impl).generate(ids, attention_mask=am, **kw) for impl in ("eager", NAME)]
+    assert seqs[0].shape == (3, SEQ + 8)
+    assert torch.equal(seqs[0], seqs[1])
+
+
+def test_additive_4d_mask_goes_to_bias() -> None:
+    """A 4-D float mask (0 / dtype minimum) given to the model reaches the attention as is
+    (transformers passes prepared 4-D masks through): it is added to the scores."""
+    ids, am = batch("left")
+    allowed = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)) & am.bool()[:, None, None, :]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    theirs = logits(build(llama(), "eager"), ids, additive)
+    for mask in (additive, allowed):
+        assert max_diff(logits(build(llama(), NAME), ids, mask), theirs, am) < TOL[torch.float32]
+
+
+# -- sliding window and softcap --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [gemma2, mistral], ids=["gemma2", "mistral"])
+def test_sliding_window_models_match_eager(make: Any) -> None:
+    """Gemma 2: softcap and a window of 4 on its sliding layer; Mistral: a window of 3 on
+    every layer; sequences of 9 tokens, so the windows cut keys."""
+    ids, am = batch("left")
+    theirs, ours = build(make(), "eager"), build(make(), NAME)
+    assert max_diff(logits(ours, ids, am), logits(theirs, ids, am), am) < TOL[torch.float32]
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    seqs = [m.generate(ids, attention_mask=am, **kw) for m in (theirs, ours)]
+    assert torch.equal(seqs[0], seqs[1])
+
+
+def test_gemma2_softcap_matters() -> None:
+    """The softcap reaches attend: a model with another cap gives other logits."""
+    ids, am = batch("left")
+    other = gemma2()
+    other.attn_logit_softcapping = 0.5
+    base = logits(build(gemma2(), NAME), ids, am)
+    assert max_diff(logits(build(other, NAME), ids, am), base, am) > 1e-3
+
+
+# -- dropout ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [llama, gemma2], ids=["llama-sdpa", "gemma2-portable"])
+def test_training_dropout_is_reproducible(make: Any) -> None:
+    """In training mode attention dropout runs, from torch's global RNG: the same seed gives
+    the same logits and gradients, another seed other logits; eval mode has none. (Llama
+    runs torch's fused kernel, Gemma 2's softcap the portable core.)"""
+    config = make()
+    config.attention_dropout = 0.3
+    model = build(config, NAME).train()
+    ids, am = batch("left")
+
+    def run(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(seed)
+        model.zero_grad()
+        out = model(ids, attention_mask=am).logits
+        out[am.bool()].square().mean().backward()
+        grad = model.model.layers[0].self_attn.q_proj.weight.grad
+        assert grad is not None
+        return out.detach(), grad.clone()
+
+    (a, ga), (b, gb), (c, _) = run(0), run(0), run(1)
+    assert torch.equal(a, b)
+    assert torch.equal(ga, gb)
+    assert torch.isfinite(ga).all()
+    assert max_diff(a, c, am) > 1e-3
+    model.eval()
+    assert max_diff(logits(model, ids, am), a, am) > 1e-3
+
+
+# -- the attention function itself -----------------------------------------------------------
+
+
+def qkv(lq: int = 5, lk: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return (
+        torch.randn(2, 4, lq, 8, generator=gen),
+        torch.randn(2, 2, lk, 8, generator=gen),
+        torch.randn(2, 2, lk, 8, generator=gen),
+    )
+
+
+def test_attention_forward_layout_and_mask_polarity() -> None:
+    module = torch.nn.Module().eval()
+    q, k, v = qkv()
+    allowed = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(3)) > 0.3
+    allowed[..., 0] = True
+    out, weights = hf.attention_forward(module, q, k, v, allowed, is_causal=False)
+    assert weights is None
+    assert out.shape == (2, 5, 4, 8)
+    assert out.is_contiguous()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(hf.attention_forward(module, q, k, v, additive)[0], ref)
+    # position_bias (T5-style) adds to the scores, with or without a mask
+    pb = torch.randn(1, 4, 5, 5, generator=torch.Generator().manual_seed(4))
+    got = hf.attention_forward(module, q, k, v, allowed, position_bias=pb)[0]
+    ref_pb = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=pb.masked_fill(~allowed, float("-inf")), enable_gqa=True
+    )
+    torch.testing.assert_close(got, ref_pb.transpose(1, 2))
+
+
+def test_attention_forward_without_mask_is_causal_upper_left() -> None:
+    """No mask, ``Lq < Lk`` (a static cache's prefill): upper-left causal as sdpa's
+    ``is_causal``; a single query attends to every key; ``is_causal=False`` to all."""
+    module = torch.nn.Module().eval()
+    q, k, v = qkv(3, 6)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    got = hf.attention_forward(module, q, k, v, None)[0]
+    torch.testing.assert_close(got, sdpa(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2))
+    got = hf.attention_forward(module, q, k, v, None, is_causal=False)[0]
+    torch.testing.assert_close(got, sdpa(q, k, v, enable_gqa=True).transpose(1, 2))
+    got = hf.attention_forward(module, q[:, :, :1], k, v, None, is_causal=True)[0]
+    torch.testing.assert_close(got, sdpa(q[:, :, :1], k, v, enable_gqa=True).transpose(1, 2))
+    # sliding_window without a mask: keys with q - k < w, aligned as the causal mask
+    got = hf.attention_forward(module, q, k, v, None, sliding_window=2)[0]
+    i, j = torch.arange(3)[:, None], torch.arange(6)[None, :]
+    band = (j <= i) & (i - j < 2)
+    torch.testing.assert_close(got, sdpa(q, k, v, attn_mask=band, enable_gqa=True).transpose(1, 2))
+
+
+def test_attention_forward_refuses_what_it_cannot_honour() -> None:
+    module = torch.nn.Module().eval()
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"`s_aux`.*attention sinks"):
+        hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(TypeError, match="`made_up_option`"):
+        hf.attention_forward(module, q, k, v, None, made_up_option=3)
+    with pytest.raises(TypeError, match="`attention_mask`"):
+        hf.attention_forward(module, q, k, v, torch.ones(2, 1, 5, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="`sliding_window=2`"):
+        hf.attention_forward(module, q, k, v, None, is_causal=False, sliding_window=2)
+    # flash-attention metadata and bookkeeping are ignored, as by transformers' sdpa
+    out, _ = hf.attention_forward(
+        module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 5]), position_ids=None, s_aux=None
+    )
+    assert out.shape == (2, 5, 4, 8)
