@@ -174,12 +174,18 @@ def _masked_scores(
     return s
 
 
-def _empty_keys(call: Call) -> tuple[Any, Any, Any]:
-    """Lk == 0 (every row is fully masked) or Lq == 0: static shapes, decided without data."""
+def _empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """Lk == 0 (every row is fully masked) or Lq == 0: static shapes, decided without data.
+
+    ``out = (q @ k^T) @ v`` sums over an empty axis: exact zeros that autograd connects to
+    q, k and v (zero gradients, as on the fused paths), not a constant without a grad_fn.
+    """
     xp, lead_q, dev = call.xp, call.q_shape[:-1], call.device
-    out = xp.zeros((*lead_q, call.v_shape[-1]), dtype=call.dtype, device=dev)
-    weights = xp.zeros((*lead_q, 0), dtype=call.dtype, device=dev)
+    ops = operands(call, q, k, v, None, None)
+    out = xp.matmul(xp.matmul(ops.q, xp.matrix_transpose(ops.k)), ops.v)
+    weights = xp.zeros((*lead_q, call.k_shape[-2]), dtype=call.dtype, device=dev)
     lse = xp.full(lead_q, -xp.inf, dtype=call.compute_dtype, device=dev)
+    out, lse = _finish(call, out, lse)
     return out, weights, lse
 
 
@@ -207,7 +213,7 @@ def dense(
     divisions) rather than to the scores (``Lq*Lk``) unless the weights are wanted.
     """
     if call.k_shape[-2] == 0:
-        return _empty_keys(call)
+        return _empty_keys(call, q, k, v)
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias)
     grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
@@ -263,7 +269,7 @@ def chunked(
     Blocks that ``causal``/``window`` mask entirely are skipped without computing them.
     """
     if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
-        out, _, lse = _empty_keys(call)
+        out, _, lse = _empty_keys(call, q, k, v)
         return out, lse
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias)

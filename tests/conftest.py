@@ -38,8 +38,31 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 ENV_VAR = "PORTABLE_ATTENTION_BACKENDS"
+
+# Hypothesis profiles (tests/test_properties.py): "ci" (the default) runs a fixed, derandomized
+# set of examples; HYPOTHESIS_PROFILE=thorough (nox -s properties) runs 8x as many, random.
+settings.register_profile(
+    "ci",
+    max_examples=20,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    # `backend` is function-scoped but stateless across examples (a flags context at most)
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+settings.register_profile(
+    "thorough", settings.get_profile("ci"), max_examples=160, derandomize=False
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 KNOWN = ("numpy", "array_api_strict", "torch", "jax")
 HALF = ("float16", "bfloat16")
 
