@@ -72,9 +72,14 @@ def source_framework(x: object) -> str:
 def dtype_name(dtype: Any) -> str:
     """A framework-neutral dtype name: ``float32``, ``bfloat16``, ``bool``, ..."""
     name = getattr(dtype, "name", None)  # NumPy, JAX, CuPy and ml_dtypes dtypes
-    if not isinstance(name, str):
-        name = str(dtype)  # torch.float32, array_api_strict.float32
-    return name.rsplit(".", 1)[-1]
+    if isinstance(name, str):
+        return name
+    if isinstance(dtype, type):  # scalar types: numpy.float32, jax.numpy.bfloat16
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            pass
+    return str(dtype).rsplit(".", 1)[-1]  # torch.float32, array_api_strict.float32
 
 
 # -- importing the target ------------------------------------------------------------------------

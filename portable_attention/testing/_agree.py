@@ -124,7 +124,7 @@ def _describe(x: Any) -> str:
     if isinstance(x, np.ndarray):
         return f"an array of shape {x.shape} and dtype {x.dtype}"
     if isinstance(x, Mapping):
-        return f"a dict with keys {sorted(map(repr, x))}"
+        return f"a dict with keys {sorted(x, key=repr)!r}"
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)} items"
     return f"{x!r} ({type(x).__name__})"

@@ -1,0 +1,668 @@
+"""``portable_attention.testing``: conversions between frameworks, ``assert_backends_agree``,
+``tolerance`` and the opt-in pytest plugin (run in pytester's inner sessions).
+
+The backends are the selected ones (``PORTABLE_ATTENTION_BACKENDS``, see ``conftest.py``);
+arrays are made and read back with the conftest's own conversions, independent of the
+code under test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import attend
+from portable_attention._convert import source_framework
+from portable_attention.testing import (
+    BACKEND_NAMES,
+    ArrayBackend,
+    assert_backends_agree,
+    available_backends,
+    to_backend,
+    to_numpy,
+    tolerance,
+)
+
+from conftest import BY_NAME, ENV_VAR, Backend, requires_backend
+from helpers import rng_for
+
+pytest_plugins = ["pytester"]
+
+# The conftest's array_api_strict_jit is array_api_strict with flags: one framework here.
+SELECTED: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        "array_api_strict" if name.startswith("array_api_strict") else name for name in BY_NAME
+    )
+)
+PAIRS = [pytest.param(s, d, id=f"{s}-to-{d}") for s in SELECTED for d in SELECTED]
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+# array_api_strict has no 16-bit floats; NumPy has bfloat16 only through ml_dtypes.
+HAS_DTYPE = {
+    "numpy": set(DTYPES),
+    "torch": set(DTYPES),
+    "jax": set(DTYPES),
+    "array_api_strict": {"float32", "float64"},
+}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def make(name: str, data: np.ndarray, dtype: str) -> Any:
+    """``data`` as a ``name`` array of ``dtype``, made by the conftest (not by to_backend)."""
+    if name == "numpy":
+        return np.asarray(data).astype(numpy_dtype(dtype))
+    return BY_NAME[name].asarray(data, dtype)
+
+
+def read(name: str, x: Any) -> np.ndarray:
+    """A ``name`` array's values as float64, read by the conftest (TypeError if not ``name``'s)."""
+    backend: Backend = BY_NAME[name]
+    return backend.to_numpy(x)
+
+
+def expected_dtype(name: str, dtype: str) -> Any:
+    return numpy_dtype(dtype) if name == "numpy" else BY_NAME[name].dtypes[dtype]
+
+
+def special_values(dtype: str) -> np.ndarray:
+    """Random values plus the ones a lossy conversion gets wrong: nan, +-inf, -0.0, tiny."""
+    tiny = float(np.finfo(np.float16).tiny) if dtype == "float16" else 1e-30
+    rng = rng_for("special", dtype)
+    values = np.concatenate([rng.standard_normal(19), [np.nan, np.inf, -np.inf, -0.0, tiny]])
+    return values.reshape(2, 3, 4).astype(numpy_dtype(dtype)).astype(np.float64)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(
+        np.array_equal(a, b, equal_nan=True) and np.array_equal(np.signbit(a), np.signbit(b))
+    )
+
+
+# -- to_backend: round trips -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("src", "dst"), PAIRS)
+def test_round_trip_keeps_values_dtype_shape(src: str, dst: str, dtype: str) -> None:
+    if dtype not in HAS_DTYPE[src]:
+        pytest.skip(f"{src} has no {dtype}")
+    data = special_values(dtype)
+    x = make(src, data, dtype)
+    if dtype not in HAS_DTYPE[dst]:
+        with pytest.raises(TypeError, match=f"`x` has dtype {dtype}, which {dst} does not have"):
+            to_backend(x, dst)
+        return
+    y = to_backend(x, dst)
+    assert y.dtype == expected_dtype(dst, dtype)
+    assert tuple(y.shape) == (2, 3, 4)
+    assert same_bits(read(dst, y), data)  # read() fails unless y is a `dst` array
+    back = to_backend(y, src)
+    assert type(back) is type(x)
+    assert back.dtype == x.dtype
+    assert same_bits(read(src, back), data)
+    assert same_bits(to_numpy(y).astype(np.float64), data)
+    assert to_numpy(y).dtype == numpy_dtype(dtype)
+
+
+@pytest.mark.parametrize(("src", "dst"), PAIRS)
+@pytest.mark.parametrize("shape", [(0,), (2, 0, 4), (), (1, 1, 1, 5)], ids=str)
+def test_shapes_including_empty_and_scalar(src: str, dst: str, shape: tuple[int, ...]) -> None:
+    data = np.arange(float(np.prod(shape))).reshape(shape) - 1.5
+    y = to_backend(make(src, data, "float32"), dst)
+    assert tuple(y.shape) == shape
+    assert y.dtype == expected_dtype(dst, "float32")
+    np.testing.assert_array_equal(read(dst, y), data.astype(np.float32))
+
+
+NUMPY_VIEWS = {
+    "reversed": lambda a: a[::-1],
+    "stepped": lambda a: a[:, ::2],
+    "transposed": lambda a: a.T,
+    "reversed-last": lambda a: a[..., ::-2],
+    "broadcast": lambda a: np.broadcast_to(a[:1], a.shape),  # stride 0, read-only
+}
+
+
+@pytest.mark.parametrize("view", NUMPY_VIEWS)
+@pytest.mark.parametrize("dst", SELECTED)
+def test_non_contiguous_numpy_views(dst: str, view: str) -> None:
+    base = np.arange(24.0).reshape(2, 3, 4)
+    v = NUMPY_VIEWS[view](base)
+    assert not v.flags.c_contiguous
+    y = to_backend(v, dst)
+    assert tuple(y.shape) == v.shape
+    assert y.dtype == expected_dtype(dst, "float64")
+    np.testing.assert_array_equal(read(dst, y), v)
+    np.testing.assert_array_equal(base, np.arange(24.0).reshape(2, 3, 4))  # input untouched
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("dst", SELECTED)
+def test_non_contiguous_torch_views(dst: str) -> None:
+    import torch
+
+    base = torch.arange(24.0, dtype=torch.float64).reshape(2, 3, 4)
+    for v in (base.transpose(0, 2), base[:, ::2], base[:1].expand(2, 3, 4), base.flip(0)):
+        y = to_backend(v, dst)
+        assert tuple(y.shape) == tuple(v.shape)
+        np.testing.assert_array_equal(read(dst, y), v.numpy())
+
+
+@requires_backend("array_api_strict")
+@pytest.mark.parametrize("dst", SELECTED)
+def test_reversed_strict_array(dst: str) -> None:
+    """array_api_strict views wrap NumPy views: negative strides must reach torch as a copy."""
+    import array_api_strict as xs
+
+    x = xs.flip(xs.reshape(xs.arange(12.0), (3, 4)), axis=0)
+    y = to_backend(x, dst)
+    np.testing.assert_array_equal(read(dst, y), np.arange(12.0).reshape(3, 4)[::-1])
+
+
+@requires_backend("torch")
+def test_numpy_and_torch_share_memory() -> None:
+    import torch
+
+    a = np.zeros(4, dtype=np.float32)
+    t = to_backend(a, "torch")
+    t[1] = 7.0
+    assert a[1] == 7.0  # DLPack: no copy
+    back = to_numpy(t)
+    back[2] = 5.0
+    assert float(t[2]) == 5.0
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("dst", SELECTED)
+def test_tensor_requiring_grad_is_detached(dst: str) -> None:
+    import torch
+
+    leaf = torch.arange(6.0, requires_grad=True)
+    x = (leaf * 2).reshape(2, 3)  # a non-leaf in a graph
+    y = to_backend(x, dst)
+    np.testing.assert_array_equal(read(dst, y), np.arange(6.0).reshape(2, 3) * 2)
+    if dst == "torch":
+        assert not y.requires_grad
+        assert y.grad_fn is None
+    assert x.requires_grad  # the input is not changed
+    assert leaf.grad is None
+
+
+@requires_backend("torch")
+def test_torch_conjugate_view_resolves() -> None:
+    import torch
+
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
+    a = to_numpy(z)
+    assert a.dtype == np.complex64
+    np.testing.assert_array_equal(a, np.array([1 - 2j, 3 + 1j], dtype=np.complex64))
+
+
+@pytest.mark.parametrize("dst", SELECTED)
+def test_bool_and_int_dtypes(dst: str) -> None:
+    for data in (np.array([[True, False, True]]), np.array([-3, 0, 2**40], dtype=np.int64)):
+        y = to_backend(data, dst)
+        back = to_numpy(y)
+        assert back.dtype == data.dtype
+        np.testing.assert_array_equal(back, data)
+
+
+def test_numpy_scalar_is_a_zero_d_array() -> None:
+    out = to_numpy(np.float32(1.5))
+    assert isinstance(out, np.ndarray) and out.shape == () and out.dtype == np.float32
+    assert out == np.float32(1.5)
+
+
+@pytest.mark.parametrize("dst", SELECTED)
+def test_same_framework_returns_the_array(dst: str) -> None:
+    x = make(dst, np.ones((2, 2)), "float32")
+    assert to_backend(x, dst) is x or dst == "torch"  # torch: x.detach(), a view
+    np.testing.assert_array_equal(read(dst, to_backend(x, dst)), np.ones((2, 2)))
+
+
+# -- to_backend: devices and errors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dst", SELECTED)
+def test_cpu_device(dst: str) -> None:
+    y = to_backend(np.ones(3, dtype=np.float32), dst, device="cpu")
+    dev = str(getattr(y, "device", "cpu")).lower()
+    assert "cpu" in dev, dev
+    np.testing.assert_array_equal(read(dst, y), np.ones(3))
+
+
+@requires_backend("jax")
+def test_jax_device_strings_map_to_jax_devices() -> None:
+    import jax
+
+    y = to_backend(np.ones(2, dtype=np.float32), "jax", device="cpu:0")
+    assert y.devices() == {jax.devices("cpu")[0]}
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(ValueError, match=r"`device`='cuda:1' .*JAX has no 'gpu' devices"):
+            to_backend(np.ones(2, dtype=np.float32), "jax", device="cuda:1")
+
+
+@requires_backend("torch")
+def test_torch_unusable_device_is_a_value_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the device is usable")
+    with pytest.raises(ValueError, match=r"`device`='cuda:1' is not a device for name='torch'"):
+        to_backend(np.ones(2), "torch", device="cuda:1")
+    with pytest.raises(ValueError, match=r"`device`='tpu-ish'"):
+        to_backend(np.ones(2), "torch", device="tpu-ish")
+
+
+@pytest.mark.parametrize(
+    ("device", "dst", "match"),
+    [
+        ("cuda", "numpy", "NumPy arrays live on the CPU"),
+        ("cuda:0", "array_api_strict", "pass 'cpu' or an array_api_strict.Device"),
+        ("cpu", "cupy", None),
+    ],
+)
+def test_device_errors(device: str, dst: str, match: str | None) -> None:
+    if dst not in available_backends():
+        with pytest.raises(ValueError, match=f"`name`='{dst}', but {dst} does not import"):
+            to_backend(np.ones(2), dst, device=device)
+        return
+    with pytest.raises(ValueError, match=f"`device`='{device}'.*{match or ''}"):
+        to_backend(np.ones(2), dst, device=device)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], 3.0, (1, 2), None, "abc", {"a": 1}, object()])
+def test_non_arrays_are_type_errors(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"`x` must be an array .*got builtins\."):
+        to_backend(bad, "numpy")
+
+
+@pytest.mark.parametrize("name", ["tensorflow", "Torch", "", None, 3])
+def test_unknown_backend_names(name: object) -> None:
+    with pytest.raises(ValueError, match=r"`name` must be one of 'numpy', 'torch'"):
+        to_backend(np.ones(2), name)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
+def test_uninstalled_framework_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"`name`='cupy', but cupy does not import .*install it"):
+        to_backend(np.ones(2), "cupy")
+    assert "cupy" not in available_backends()
+
+
+@requires_backend("jax")
+def test_float64_to_jax_without_x64_is_a_type_error() -> None:
+    import jax
+
+    with jax.enable_x64(False):
+        with pytest.raises(TypeError, match=r"`x` has dtype float64, but JAX runs without 64"):
+            to_backend(np.ones(2), "jax")
+        y = to_backend(np.ones(2, dtype=np.complex64), "jax")  # 8 bytes, but 32-bit parts
+        assert y.dtype == np.complex64
+
+
+def test_available_backends() -> None:
+    names = available_backends()
+    assert isinstance(names, tuple)
+    assert names[0] == "numpy"
+    assert set(SELECTED) <= set(names)
+    assert list(names) == [n for n in BACKEND_NAMES if n in names]  # the documented order
+    for name in names:
+        assert importlib.util.find_spec(name) is not None
+
+
+# -- tolerance ---------------------------------------------------------------------------------
+
+
+def test_tolerance_table() -> None:
+    assert tolerance("float64") == (1e-12, 1e-12)
+    assert tolerance(np.float32) == (1e-5, 1e-6)
+    assert tolerance(np.dtype("float16")) == (1e-2, 1e-3)
+    assert tolerance("bfloat16") == (2e-2, 1e-2)
+    assert tolerance(np.int64) == (0.0, 0.0)
+    assert tolerance(np.bool_) == (0.0, 0.0)
+    for name in SELECTED:
+        if name == "numpy":
+            continue
+        for dtype_name, dtype in BY_NAME[name].dtypes.items():
+            assert tolerance(dtype) == tolerance(dtype_name), (name, dtype)
+    with pytest.raises(ValueError, match=r"`dtype` .*has no default tolerance"):
+        tolerance(np.dtype("U3"))
+
+
+# -- assert_backends_agree ------------------------------------------------------------------------
+
+
+def qkv(dtype: str = "float32", shape: tuple[int, ...] = (2, 3, 5, 8)) -> list[np.ndarray]:
+    rng = rng_for("agree", dtype, shape)
+    return [rng.standard_normal(shape).astype(numpy_dtype(dtype)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_attend_agrees_across_backends(dtype: str) -> None:
+    q, k, v = qkv(dtype)
+    mask = np.tril(np.ones((5, 5), dtype=bool))
+    outs = assert_backends_agree(attend, q, k, v, mask=mask, return_weights=True, backends=SELECTED)
+    assert list(outs) == list(SELECTED)
+    for name, (out, weights) in outs.items():
+        assert isinstance(out, np.ndarray) and out.dtype == np.dtype(dtype), name
+        assert out.shape == (2, 3, 5, 8) and weights.shape == (2, 3, 5, 5), name
+        assert weights.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(outs[SELECTED[-1]][0], outs["numpy"][0], rtol=1e-5, atol=1e-6)
+    assert np.all(outs["numpy"][1][..., 0, 1:] == 0)  # the mask held
+
+
+def test_default_backends_are_the_available_ones() -> None:
+    q, k, v = qkv("float32", (4, 8))
+    outs = assert_backends_agree(attend, q, k, v, causal=True)
+    assert tuple(outs) == available_backends()
+    for out in outs.values():
+        assert out.dtype == np.float32 and out.shape == (4, 8)
+
+
+@pytest.mark.parametrize("pair", [("torch", "jax")])
+def test_bfloat16_on_torch_and_jax(pair: tuple[str, str]) -> None:
+    if not set(pair) <= set(SELECTED):
+        pytest.skip(f"needs {pair} selected")
+    import torch
+
+    q, k, v = (torch.from_numpy(a).to(torch.bfloat16) for a in qkv("float32"))
+    outs = assert_backends_agree(attend, q, k, v, causal=True, backends=pair)
+    assert outs["torch"].dtype == numpy_dtype("bfloat16")
+    assert outs["jax"].dtype == numpy_dtype("bfloat16")
+
+
+needs_two = pytest.mark.skipif(len(SELECTED) < 2, reason="needs two selected backends")
+
+
+def perturb_on(name: str, out: Any, delta: float, at: tuple[int, ...] = (1, 2, 3, 4)) -> Any:
+    """``out`` with ``delta`` added at index ``at`` when it is a ``name`` array; else ``out``."""
+    if source_framework(out) != name:
+        return out
+    a = np.array(to_numpy(out), copy=True)
+    a[at] += delta
+    return to_backend(a, name)
+
+
+@needs_two
+def test_a_perturbed_backend_fails_with_the_details() -> None:
+    bad = SELECTED[-1]
+    q, k, v = qkv()
+
+    def fn(q: Any, k: Any, v: Any) -> Any:
+        out, lse = attend(q, k, v, return_lse=True)
+        return out, perturb_on(bad, lse, delta=0.5, at=(1, 2, 3))
+
+    with pytest.raises(AssertionError) as info:
+        assert_backends_agree(fn, q, k, v, backends=SELECTED)
+    msg = str(info.value)
+    assert f"backend {bad!r} disagrees with 'numpy' on output[1]:" in msg
+    assert "1 of 30 elements differ beyond rtol=1e-05, atol=1e-06 (dtype float32)" in msg
+    assert "max abs error 0.5 at index (1, 2, 3)" in msg
+    assert "max relative error" in msg and "at index (1, 2, 3)" in msg
+    ref = attend(q, k, v, return_lse=True)[1][1, 2, 3]
+    assert f"reference {float(ref)!r}" in msg
+
+
+@needs_two
+def test_explicit_tolerances_accept_a_small_perturbation() -> None:
+    bad = SELECTED[1]
+    q, k, v = qkv()
+
+    def fn(q: Any, k: Any, v: Any) -> Any:
+        return perturb_on(bad, attend(q, k, v), delta=1e-3)
+
+    with pytest.raises(AssertionError, match=r"rtol=1e-05, atol=1e-06"):
+        assert_backends_agree(fn, q, k, v, backends=SELECTED)
+    assert_backends_agree(fn, q, k, v, backends=SELECTED, atol=2e-3)
+    with pytest.raises(AssertionError, match=r"rtol=0.0001, atol=1e-06"):
+        assert_backends_agree(fn, q, k, v, backends=SELECTED, rtol=1e-4, atol=1e-6)
+
+
+@needs_two
+def test_nested_outputs_report_the_key_path() -> None:
+    bad = SELECTED[-1]
+    q, k, v = qkv()
+
+    def fn(q: Any, k: Any, v: Any) -> Any:
+        out, w = attend(q, k, v, return_weights=True)
+        return {"attn": (out, [perturb_on(bad, w, delta=-0.1, at=(0, 1, 2, 3))]), "n": 3}
+
+    with pytest.raises(AssertionError) as info:
+        assert_backends_agree(fn, q, k, v, backends=SELECTED)
+    msg = str(info.value)
+    assert f"backend {bad!r} disagrees with 'numpy' on output['attn'][1][0]:" in msg
+    assert "index (0, 1, 2, 3)" in msg
+    good = assert_backends_agree(lambda q: {"x": [q, (q,)], "n": 3}, q, backends=SELECTED)
+    for name in SELECTED:
+        assert good[name]["n"] == 3
+        assert isinstance(good[name]["x"], list) and isinstance(good[name]["x"][1], tuple)
+        np.testing.assert_array_equal(good[name]["x"][1][0], q)
+
+
+@needs_two
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("length", r"on the output: returned a tuple of 3 items, the reference a tuple of 2 items"),
+        (
+            "keys",
+            r"on the output: returned a dict with keys \['a', 'c'\], "
+            r"the reference a dict with keys \['a', 'b'\]",
+        ),
+        ("shape", r"on output\[0\]: shape \(2, 3\), the reference \(3, 2\)"),
+        ("dtype", r"on output\[0\]: dtype float64, the reference float32"),
+        ("type", r"on output\[1\]: returned 1.0 \(float\), the reference 1 \(int\)"),
+        ("nan", r"on output\[0\]: 1 of 6 elements differ .*max abs error inf at index \(0, 1\)"),
+    ],
+)
+def test_structure_shape_dtype_mismatches_fail(kind: str, message: str) -> None:
+    bad = SELECTED[1]
+
+    def fn(x: Any) -> Any:
+        a = to_numpy(x)
+        other = source_framework(x) == bad
+        if kind == "length":
+            return (a, a, a) if other else (a, a)
+        if kind == "keys":
+            return {"a": a, "c": a} if other else {"a": a, "b": a}
+        if kind == "shape":
+            return (a.reshape(2, 3) if other else a.reshape(3, 2),)
+        if kind == "dtype":
+            return (a.astype(np.float64) if other else a,)
+        if kind == "type":
+            return (a, 1.0 if other else 1)
+        b = a.copy()
+        if other:
+            b[0, 1] = np.nan
+        return (b,)
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with pytest.raises(AssertionError, match=message):
+        assert_backends_agree(fn, x, backends=SELECTED)
+
+
+@needs_two
+def test_same_nans_and_infs_agree() -> None:
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -1.0], dtype=np.float32)
+    outs = assert_backends_agree(lambda a: a * 1, x, backends=SELECTED)
+    for name in SELECTED:
+        np.testing.assert_array_equal(outs[name], x)
+
+
+def test_inputs_are_converted_fresh_and_nested() -> None:
+    seen: list[tuple[str, float]] = []
+    x = np.arange(4, dtype=np.float32)
+
+    def fn(a: Any, *, pack: dict[str, Any], label: str, n: int) -> Any:
+        name = source_framework(a)
+        inner = pack["list"][0]
+        assert source_framework(inner) == name and source_framework(pack["tuple"][1]) == name
+        assert pack["tuple"][0] == "keep" and label == "L" and n == 2
+        seen.append((name, float(to_numpy(a)[0])))
+        if name == "numpy":
+            a[0] = 100.0  # in place: must not reach the other backends or the caller
+        return inner
+
+    outs = assert_backends_agree(
+        fn,
+        x,
+        pack={"list": [x], "tuple": ("keep", x)},
+        label="L",
+        n=2,
+        backends=SELECTED,
+    )
+    assert seen == [(name, 0.0) for name in SELECTED]
+    assert x[0] == 0.0
+    for name in SELECTED:
+        assert outs[name].dtype == np.float32
+        np.testing.assert_array_equal(outs[name], np.arange(4, dtype=np.float32))
+
+
+def test_errors_of_fn_propagate_with_the_backend() -> None:
+    def fn(x: Any) -> Any:
+        msg = "boom"
+        raise KeyError(msg)
+
+    with pytest.raises(KeyError, match="boom") as info:
+        assert_backends_agree(fn, np.ones(2), backends=["numpy"])
+    if sys.version_info >= (3, 11):
+        assert "(raised by `fn` on backend 'numpy')" in info.value.__notes__
+
+
+@pytest.mark.parametrize(
+    ("backends", "error", "match"),
+    [
+        ("torch", TypeError, r"`backends` must be a sequence of backend names"),
+        ([], ValueError, r"`backends` is empty"),
+        (["numpy", "tensorflow"], ValueError, r"`backends` has 'tensorflow': `name` must be"),
+    ],
+)
+def test_bad_backends(backends: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        assert_backends_agree(lambda x: x, np.ones(2), backends=backends)
+
+
+@requires_backend("array_api_strict")
+def test_unrepresentable_input_dtype_names_the_backend() -> None:
+    with pytest.raises(TypeError, match=r"float16, which array_api_strict does not have") as info:
+        assert_backends_agree(
+            lambda x: x, np.ones(2, dtype=np.float16), backends=["numpy", "array_api_strict"]
+        )
+    if sys.version_info >= (3, 11):
+        assert "(converting the inputs to backend 'array_api_strict')" in info.value.__notes__
+
+
+# -- ArrayBackend and the pytest plugin --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SELECTED)
+def test_array_backend_handle(name: str) -> None:
+    b = ArrayBackend(name)
+    assert str(b) == name
+    x = b.asarray([[1.0, 2.0]], dtype="float32")
+    assert x.dtype == expected_dtype(name, "float32")
+    np.testing.assert_array_equal(read(name, x), [[1.0, 2.0]])
+    assert float(b.xp.sum(x)) == 3.0
+    np.testing.assert_array_equal(b.to_numpy(b.asarray(np.arange(3))), np.arange(3))
+    with pytest.raises(ValueError, match="`name` must be one of"):
+        ArrayBackend("tf")
+
+
+PLUGIN_CONFTEST = 'pytest_plugins = ["portable_attention.testing.pytest_plugin"]\n'
+PLUGIN_TESTS = """
+import numpy as np
+import pytest
+from portable_attention._convert import source_framework
+from portable_attention.testing import ArrayBackend, to_numpy
+
+
+def test_backend(array_backend):
+    assert isinstance(array_backend, ArrayBackend)
+    x = array_backend.asarray(np.arange(3.0, dtype=np.float32))
+    assert source_framework(x) == array_backend.name
+    assert to_numpy(x).tolist() == [0.0, 1.0, 2.0]
+    assert to_numpy(x).dtype == np.float32
+
+
+@pytest.mark.parametrize("array_backend", ["numpy"], indirect=True)
+def test_own_choice(array_backend):
+    assert array_backend.name == "numpy"
+"""
+
+
+@pytest.fixture
+def plugin_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    pytester.makeconftest(PLUGIN_CONFTEST)
+    pytester.makepyfile(test_user=PLUGIN_TESTS)
+    return pytester
+
+
+def test_plugin_default_is_every_available_backend(plugin_project: pytest.Pytester) -> None:
+    result = plugin_project.runpytest("-v")
+    names = available_backends()
+    result.assert_outcomes(passed=len(names) + 1)
+    result.stdout.fnmatch_lines([f"array backends (array_backend fixture): {', '.join(names)}"])
+    for name in names:
+        result.stdout.fnmatch_lines([f"*test_backend?{name}? PASSED*"])
+    result.stdout.fnmatch_lines(["*test_own_choice?numpy? PASSED*"])
+
+
+def test_plugin_option_restricts(plugin_project: pytest.Pytester) -> None:
+    chosen = SELECTED[-1]
+    result = plugin_project.runpytest("-v", f"--array-backends=numpy,{chosen}")
+    result.assert_outcomes(passed=len({"numpy", chosen}) + 1)
+    result.stdout.fnmatch_lines([f"*test_backend?{chosen}? PASSED*"])
+    others = [n for n in available_backends() if n not in ("numpy", chosen)]
+    for name in others:
+        result.stdout.no_fnmatch_line(f"*test_backend?{name}?*")
+
+
+def test_plugin_env_var_restricts_and_option_wins(
+    plugin_project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "numpy")
+    result = plugin_project.runpytest("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_backend?numpy? PASSED*"])
+    monkeypatch.setenv(ENV_VAR, "not-a-backend")
+    result = plugin_project.runpytest("-v", "--array-backends=numpy")
+    result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("numpy,tensorflow", "*requests backend 'tensorflow', which is not usable*"),
+        (" , ", "*names no backend*"),
+    ],
+)
+def test_plugin_bad_request_fails_the_run(
+    plugin_project: pytest.Pytester, option: str, message: str
+) -> None:
+    result = plugin_project.runpytest(f"--array-backends={option}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    result.stdout.no_fnmatch_line("*passed*")  # nothing ran
+    result.stdout.no_fnmatch_line("*skipped*")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
+def test_plugin_uninstalled_backend_fails_not_skips(
+    plugin_project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_VAR, "numpy,cupy")
+    result = plugin_project.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{ENV_VAR}='numpy,cupy' requests backend 'cupy'*install*"])
