@@ -35,6 +35,9 @@ NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, query bloc
 #: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
 #: blocks measured faster here (L=16384: 7.3 s at 4M scores per block, 15.4 s at 1M).
 _BLOCK_ELEMENTS = 1 << 22
+#: From this many query rows on, the row sums come from the second matmul (V gets a
+#: column of ones); below, copying V costs more than summing the rows (decode: 160 us).
+_SUM_BY_MATMUL_MIN_ROWS = 256
 #: Below this many scores in all, threads cost more than they give.
 _THREADS_MIN_ELEMENTS = 1 << 21
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -76,9 +79,11 @@ def run_native(
     if call.k_shape[-2] == 0:
         return _core.dense(call, q, k, v)
     ops = _core.operands(call, np.asarray(q), np.asarray(k), np.asarray(v), mask, bias)
-    ones = np.ones((*ops.v.shape[:-1], 1), dtype=ops.v.dtype)
-    v_sum = np.concatenate([ops.v, ones], axis=-1)  # e @ [V | 1] = [e @ V | row sums]
     lq, lk = call.q_shape[-2], call.k_shape[-2]
+    v_sum = None
+    if keep is None and lq >= _SUM_BY_MATMUL_MIN_ROWS:
+        ones = np.ones((*ops.v.shape[:-1], 1), dtype=ops.v.dtype)
+        v_sum = np.concatenate([ops.v, ones], axis=-1)  # e @ [V | 1] = [e @ V | row sums]
     lead = ops.q.shape[:-2]
     ct = call.compute_dtype
     out = np.empty((*lead, lq, call.v_shape[-1]), dtype=ct)
@@ -112,7 +117,7 @@ def run_native(
 def _block(
     call: _validate.Call,
     ops: Any,
-    v_sum: Any,
+    v_sum: Any | None,
     rows: tuple[int, int],
     keep: Any,
     out: Any,
@@ -141,7 +146,7 @@ def _block(
     m[~finite] = 0.0
     np.subtract(s, m, out=s)
     np.exp(s, out=s)
-    if keep is None:
+    if v_sum is not None:
         both = np.matmul(s, v_sum)
         block_sum, total = both[..., :-1], both[..., -1:]
     else:
@@ -153,6 +158,7 @@ def _block(
     if keep is not None:
         np.multiply(s, keep(s.shape), out=s)
         np.multiply(s, 1.0 / (1.0 - call.dropout), out=s)
+    if v_sum is None:
         block_sum = np.matmul(s, ops.v)
     np.divide(block_sum, total, out=out[..., r, :])
     if lse is not None:
