@@ -227,10 +227,29 @@ def run_one(case: Case, target: Target, dtype: str, *, repeats: int = 3) -> Row:
             _sync(_as_list(target.call(q, k, v, **arrays, **case.options)))
             best = min(best, time.perf_counter() - start)
         row.ms = best * 1e3
+        row.error = _kind_mismatch(result, q, dtype)
+        if row.error:
+            row.verdict = "DISAGREE"
         row.result = [_float64(x) for x in result]
     except Exception as exc:  # the report goes on; the row says what went wrong
         row.verdict, row.error = "ERROR", f"{type(exc).__name__}: {exc}"
     return row
+
+
+def _kind_mismatch(result: Sequence[Any], q: Any, dtype: str) -> str:
+    """Why ``result`` is not arrays of ``q``'s framework and device in ``dtype`` ("" if it is)."""
+    import array_api_compat
+
+    from portable_attention import _convert
+
+    framework, device = _convert.source_framework(q), array_api_compat.device(q)
+    for x in result:
+        got = (_convert.source_framework(x), _convert.dtype_name(x.dtype))
+        if got != (framework, dtype):
+            return f"returned a {got[0]} {got[1]} array for {framework} {dtype} inputs"
+        if array_api_compat.device(x) != device:
+            return f"returned an array on {array_api_compat.device(x)} for inputs on {device}"
+    return ""
 
 
 def _within(x: Array, y: Array, ref: Array, dtype: str) -> bool:
@@ -258,7 +277,7 @@ def compare(rows: Sequence[Row], references: Mapping[tuple[str, str], list[Array
     that return the weights). Rows of the same case and dtype are compared pairwise.
     """
     for row in rows:
-        if row.error:
+        if row.verdict == "ERROR":
             continue
         ref = references[(row.case, row.dtype)]
         if len(row.result) != len(ref):
@@ -276,11 +295,13 @@ def compare(rows: Sequence[Row], references: Mapping[tuple[str, str], list[Array
     # (A row already off the oracle is reported as such, and does not blame the others.)
     near_oracle = {id(row) for row in rows if row.ok}
     for row in rows:
-        if row.error:
+        if row.verdict == "ERROR":
             continue
         ref = references[(row.case, row.dtype)]
         for other in rows:
-            if other is row or other.error or (other.case, other.dtype) != (row.case, row.dtype):
+            if other is row or other.verdict == "ERROR":
+                continue
+            if (other.case, other.dtype) != (row.case, row.dtype):
                 continue
             pairs = list(zip(row.result, other.result, ref, strict=False))
             for x, y, _ in pairs:
@@ -438,7 +459,8 @@ def plot_weights(
         }
         try:
             _, w = target.call(q, k, v, **arrays, **options, return_weights=True)
-        except Exception:
+        except Exception as exc:  # the table already has this call's error
+            print(f"--plot: no panel for {target.name} {target.device}: {exc}", file=sys.stderr)
             continue
         weights[f"{target.name} {target.device}"] = w
     figure = plot.side_by_side(weights, head=(0, 0), title=f"{case.name} ({dtype}): {case.about}")

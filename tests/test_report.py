@@ -269,7 +269,9 @@ def test_exit_1_when_a_backend_disagrees(
 
 def test_nan_result_disagrees(tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    nan = _numpy_target("nan", _shifted(lambda out: np.where(out == out.max(), np.nan, 0)))
+    nan = _numpy_target(
+        "nan", _shifted(lambda out: np.where(out == out.max(), np.nan, 0).astype(out.dtype))
+    )
     assert _report.main(["--cases", "plain", "-q", "--json", str(out_json)], run_on=[nan]) == 1
     (row,) = _rows_of(out_json)
     assert row["verdict"] == "DISAGREE" and row["max_abs"] == "nan"
@@ -289,6 +291,29 @@ def test_pairwise_disagreement_within_oracle_tolerance() -> None:
     assert rows["up"].verdict == "DISAGREE vs down/cpu"
     assert rows["down"].verdict == "DISAGREE vs up/cpu"
     assert rows["up"].vs_others == pytest.approx(2 * 0.7 * (atol + rtol * 1.6), rel=0.2)
+
+
+def test_wrong_dtype_or_framework_disagrees(tmp_path: Path) -> None:
+    """A result in another dtype (a silent upcast) or framework is a disagreement."""
+    out_json = tmp_path / "r.json"
+    upcast = _numpy_target("upcast", _shifted(lambda out: np.zeros((), np.float64)))
+    listed = _numpy_target("torch_out", lambda *a, **kw: _as_torch(attend(*a, **kw)))
+    run_on = [upcast] + ([listed] if "torch" in BACKEND_NAMES else [])
+    assert _report.main(["--cases", "plain", "-q", "--json", str(out_json)], run_on=run_on) == 1
+    rows = {r["backend"]: r for r in _rows_of(out_json)}
+    assert rows["upcast"]["verdict"] == "DISAGREE"
+    assert rows["upcast"]["error"] == "returned a numpy float64 array for numpy float32 inputs"
+    assert rows["upcast"]["max_abs"] < 1e-6  # the values themselves are right
+    if "torch" in BACKEND_NAMES:
+        assert (
+            rows["torch_out"]["error"] == "returned a torch float32 array for numpy float32 inputs"
+        )
+
+
+def _as_torch(x: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(np.asarray(x))
 
 
 def test_exit_1_when_a_call_raises(capsys: pytest.CaptureFixture[str]) -> None:
