@@ -17,8 +17,11 @@ Only arrays it allocated itself are written: inputs are never modified.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -72,6 +75,34 @@ def _blas_controller() -> Any:
     return _blas or None
 
 
+_pin_lock = threading.Lock()
+_pin_users = 0
+_pin_limiter: Any = None
+
+
+@contextlib.contextmanager
+def _blas_pinned(blas: Any) -> Iterator[None]:
+    """The BLAS on one thread while any call is in its threaded blocks.
+
+    The limit is process-wide: with one ``blas.limit()`` per call, concurrent calls
+    restored each other's limits out of order and left the BLAS on 1 thread for good.
+    The first call in pins it, the last one out restores the original.
+    """
+    global _pin_users, _pin_limiter
+    with _pin_lock:
+        if _pin_users == 0:
+            _pin_limiter = blas.limit(limits=1, user_api="blas")
+        _pin_users += 1
+    try:
+        yield
+    finally:
+        with _pin_lock:
+            _pin_users -= 1
+            if _pin_users == 0:
+                _pin_limiter.restore_original_limits()
+                _pin_limiter = None
+
+
 def run_native(
     call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
 ) -> tuple[Any, Any, Any]:
@@ -101,7 +132,7 @@ def run_native(
         _block(call, ops, v_sum, rows, keep, out, weights, lse)
 
     if blas is not None and len(blocks) > 1:
-        with blas.limit(limits=1, user_api="blas"):
+        with _blas_pinned(blas):
             list(_executor().map(run, blocks))
     else:
         for rows in blocks:
