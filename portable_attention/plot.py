@@ -145,6 +145,11 @@ def _draw(
     return image
 
 
+def _inches(cells: int) -> float:
+    """Panel size for ``cells`` rows or columns: about 0.3 inch a cell, from 2 to 6 inches."""
+    return min(6.0, max(2.0, 1.0 + 0.3 * cells))
+
+
 def _scale(
     data: npt.NDArray[np.float64], vmin: float | None, vmax: float | None
 ) -> tuple[float, float]:
@@ -222,7 +227,9 @@ def heatmap(
     if a.ndim == 2 or head is not None:
         panel, panel_title = (a, None) if head is None else _pick(a, head)
         if ax is None:
-            _, ax = plt.subplots(figsize=(1.5 + 0.35 * panel.shape[1], 1.2 + 0.35 * panel.shape[0]))
+            _, ax = plt.subplots(
+                figsize=(_inches(panel.shape[1]) + 1.5, _inches(panel.shape[0]) + 1.0)
+            )
         image = _draw(
             ax,
             panel,
@@ -253,7 +260,7 @@ def heatmap(
         raise ValueError(msg)
     cols = min(n, 4)
     rows = math.ceil(n / cols)
-    size = (cols * (1.0 + 0.25 * a.shape[-1]) + 1.0, rows * (1.0 + 0.25 * a.shape[-2]) + 0.5)
+    size = (cols * _inches(a.shape[-1]) + 1.0, rows * (_inches(a.shape[-2]) + 0.5) + 0.5)
     if fig is None:
         fig = plt.figure(figsize=size, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
@@ -339,7 +346,7 @@ def side_by_side(
     _check_labels(key_labels, lk, "key_labels", "keys")
     low, high = _scale(np.stack(list(panels.values())), None, None)
     n = len(panels)
-    fig = plt.figure(figsize=(n * (1.0 + 0.25 * lk) + 1.0, 1.5 + 0.25 * lq), layout="constrained")
+    fig = plt.figure(figsize=(n * _inches(lk) + 1.0, _inches(lq) + 1.0), layout="constrained")
     axes = fig.subplots(1, n, squeeze=False)[0]
     image = None
     for cell, (name, panel) in zip(axes, panels.items(), strict=True):
