@@ -236,7 +236,8 @@ def _check_kwargs(kwargs: dict[str, Any]) -> None:
 def register(name: str = "portable") -> str:
     """Make ``attn_implementation=name`` run every attention through ``attend``.
 
-    Registers :func:`attention_forward` with ``transformers.AttentionInterface`` and,
+    Registers :func:`attention_forward` with ``transformers.AttentionInterface`` (the
+    plain ``ALL_ATTENTION_FUNCTIONS`` dict before transformers 4.50) and,
     where transformers has ``AttentionMaskInterface`` (>= 4.53), its ``sdpa_mask``
     (boolean masks, True = may attend; None where a plain causal mask suffices) for
     ``name``. Calling it again is harmless.
@@ -272,7 +273,13 @@ def register(name: str = "portable") -> str:
             f"got {name!r} (transformers' own implementations cannot be replaced)."
         )
         raise ValueError(msg)
-    transformers.AttentionInterface.register(name, attention_forward)
+    interface = getattr(transformers, "AttentionInterface", None)
+    if interface is not None:
+        interface.register(name, attention_forward)
+    else:  # transformers 4.48 - 4.49: the registry is a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ALL_ATTENTION_FUNCTIONS[name] = attention_forward
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     except ImportError:  # transformers < 4.53 builds additive float masks for custom kernels
