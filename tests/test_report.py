@@ -213,9 +213,8 @@ def test_plot_writes_one_panel_per_backend(
     assert _report.main(argv) == 0
     assert "panels numpy cpu, torch cpu" in capsys.readouterr().out
     image = matplotlib.image.imread(png)
-    assert (
-        image.ndim == 3 and image.shape[0] > 100 and image.shape[1] >= 2 * image.shape[0]
-    )  # 2 panels side by side
+    assert image.ndim == 3 and image.shape[0] > 100
+    assert image.shape[1] > 1.5 * image.shape[0]  # two panels side by side
     assert image.std() > 0.05  # not a blank canvas
 
 
