@@ -282,7 +282,13 @@ def _numpy_from(x: Any, src: str) -> np.ndarray:
 # -- to each framework -------------------------------------------------------------------------
 
 
+def _native(a: np.ndarray) -> np.ndarray:
+    """``a`` in the machine's byte order (DLPack and the frameworks know no other)."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def _torch_from_numpy(torch: Any, a: np.ndarray) -> Any:
+    a = _native(a)
     name = a.dtype.name
     if name in _ML_DTYPES:
         return _torch_from_numpy(torch, a.view(_ML_DTYPES[name])).view(getattr(torch, name))
@@ -313,7 +319,7 @@ def _to_jax(x: Any, src: str, jnp: Any) -> Any:
     if src == "torch":
         x = _torch_plain(x)
     if src in ("numpy", "array_api_strict"):
-        a = _numpy_from(x, src)
+        a = _native(_numpy_from(x, src))
         if a.dtype.name in _ML_DTYPES:
             return jnp.asarray(a)
         x = a
@@ -339,7 +345,7 @@ def _to_cupy(x: Any, src: str, cupy: Any) -> Any:
             return cupy.from_dlpack(x)
         except _DLPACK_ERRORS:
             pass
-    a = _numpy_from(x, src)
+    a = _native(_numpy_from(x, src))
     if a.dtype.name in _ML_DTYPES:
         msg = f"`x` has dtype {a.dtype.name}, which CuPy does not have; cast it to float32 first."
         raise TypeError(msg)
@@ -349,7 +355,7 @@ def _to_cupy(x: Any, src: str, cupy: Any) -> Any:
 def _to_strict(x: Any, src: str, xs: Any) -> Any:
     if src == "array_api_strict":
         return x
-    a = _numpy_from(x, src)
+    a = _native(_numpy_from(x, src))
     if a.dtype.name in _ML_DTYPES or not hasattr(xs, a.dtype.name):
         msg = (
             f"`x` has dtype {a.dtype.name}, which array_api_strict does not have; cast it "
@@ -457,7 +463,17 @@ def to_backend(x: Any, name: str, device: Any = None) -> Any:
     target_device = _target_device(name, device, module)
     if name == "jax":
         _check_jax_x64(x)
-    out = _numpy_from(x, src) if name == "numpy" else _CONVERTERS[name](x, src, module)
+    try:
+        out = _numpy_from(x, src) if name == "numpy" else _CONVERTERS[name](x, src, module)
+    except (TypeError, ValueError, RuntimeError, BufferError) as err:
+        if str(err).startswith("`x`"):  # ours, already saying what to do
+            raise
+        dtype = dtype_name(getattr(x, "dtype", None))
+        msg = (
+            f"cannot convert `x` ({src} array of dtype {dtype}, shape "
+            f"{tuple(getattr(x, 'shape', ()))}) to {name}: {type(err).__name__}: {err}"
+        )
+        raise TypeError(msg) from err
     out = _place(out, name, target_device, module, device)
     before, after = dtype_name(getattr(x, "dtype", None)), dtype_name(out.dtype)
     if before not in ("None", after):

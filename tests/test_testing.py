@@ -409,9 +409,10 @@ def test_a_perturbed_backend_fails_with_the_details() -> None:
     msg = str(info.value)
     assert f"backend {bad!r} disagrees with {SELECTED[0]!r} on output[1]:" in msg
     assert "1 of 30 elements differ beyond rtol=1e-05, atol=1e-06 (dtype float32)" in msg
-    assert "max abs error 0.5 at index (1, 2, 3)" in msg
-    assert "max relative error" in msg and "at index (1, 2, 3)" in msg
     ref = to_numpy(attend(*(to_backend(a, SELECTED[0]) for a in (q, k, v)), return_lse=True)[1])
+    rel = 0.5 / abs(float(ref[1, 2, 3]))
+    assert f"max abs error 0.5 at index (1, 2, 3), max relative error {rel:.3g} at index" in msg
+    assert "at index (1, 2, 3); furthest beyond the tolerance at index (1, 2, 3): got " in msg
     assert f"reference {float(ref[1, 2, 3])!r}" in msg
 
 
@@ -499,6 +500,59 @@ def test_same_nans_and_infs_agree() -> None:
     outs = assert_backends_agree(lambda a: a * 1, x, backends=SELECTED)
     for name in SELECTED:
         np.testing.assert_array_equal(outs[name], x)
+
+
+@needs_two
+def test_integers_strings_and_float8_outputs() -> None:
+    bad = SELECTED[1]
+    big = np.array([2**53, 7], dtype=np.int64)  # 2**53 + 1 rounds to 2**53 in float64
+
+    def ints(x: Any) -> Any:
+        return big + 1 if source_framework(x) == bad else big
+
+    with pytest.raises(
+        AssertionError, match=r"output: 2 of 2 elements differ beyond rtol=0, atol=0"
+    ):
+        assert_backends_agree(ints, np.ones(1), backends=SELECTED)
+
+    def off_by_one_ulp(x: Any) -> Any:
+        return np.array([2**53 + (source_framework(x) == bad)], dtype=np.int64)
+
+    with pytest.raises(AssertionError, match=r"1 of 1 elements differ .*\(dtype int64\)"):
+        assert_backends_agree(off_by_one_ulp, np.ones(1), backends=SELECTED)
+
+    def words(x: Any) -> Any:
+        return np.array(["a", "b" if source_framework(x) == bad else "c"])
+
+    with pytest.raises(AssertionError, match=r"compared exactly\); the first at index \(1,\)"):
+        assert_backends_agree(words, np.ones(1), backends=SELECTED)
+
+    import ml_dtypes
+
+    e4m3 = np.array([1.0, 2.0], dtype=ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"no default tolerance"):
+        assert_backends_agree(lambda x: e4m3, np.ones(1), backends=SELECTED)
+    outs = assert_backends_agree(lambda x: e4m3, np.ones(1), backends=SELECTED, rtol=0, atol=0)
+    assert outs[bad].dtype == e4m3.dtype
+
+
+@pytest.mark.parametrize("dst", SELECTED)
+def test_big_endian_numpy_input(dst: str) -> None:
+    a = np.arange(5, dtype=">f4")
+    y = to_backend(a, dst)
+    assert tuple(y.shape) == (5,)
+    np.testing.assert_array_equal(read(dst, y), np.arange(5.0))
+    assert to_numpy(y).dtype == (a.dtype if dst == "numpy" else np.dtype("float32"))
+
+
+@pytest.mark.parametrize("dst", [n for n in SELECTED if n != "numpy"])
+def test_string_array_to_a_framework_is_a_type_error(dst: str) -> None:
+    match = (
+        rf"(`x` has dtype str32, which {dst} does not have|"
+        rf"cannot convert `x` \(numpy array of dtype str32, shape \(2,\)\) to {dst}: )"
+    )
+    with pytest.raises(TypeError, match=match):
+        to_backend(np.array(["a", "b"]), dst)
 
 
 def test_inputs_are_converted_fresh_and_nested() -> None:

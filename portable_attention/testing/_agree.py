@@ -146,11 +146,22 @@ def _compare_arrays(
         return f"shape {got.shape}, the reference {ref.shape}"
     if ref.dtype != got.dtype:
         return f"dtype {got.dtype}, the reference {ref.dtype}"
-    default = tolerance(ref.dtype.name)
-    rt = default[0] if rtol is None else float(rtol)
-    at = default[1] if atol is None else float(atol)
     if ref.size == 0:
         return None
+    kind = ref.dtype.kind
+    if kind in "OSU":  # strings and objects: equal or not
+        unequal = np.asarray(ref != got)
+        if not unequal.any():
+            return None
+        first = int(np.flatnonzero(unequal)[0])
+        return (
+            f"{int(unequal.sum())} of {ref.size} elements differ (dtype {ref.dtype}, compared "
+            f"exactly); the first at index {_index(first, ref.shape)} (got "
+            f"{got.flat[first]!r}, reference {ref.flat[first]!r})"
+        )
+    default = tolerance(ref.dtype.name) if rtol is None or atol is None else (0.0, 0.0)
+    rt = default[0] if rtol is None else float(rtol)
+    at = default[1] if atol is None else float(atol)
     wide = np.complex128 if np.iscomplexobj(ref) else np.float64
     a, b = ref.astype(wide), got.astype(wide)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -159,20 +170,22 @@ def _compare_arrays(
         err = np.where(np.isnan(err), np.inf, err)  # NaN against a number, inf against -inf
         bound = at + rt * np.abs(a)
         bad = err > bound
+        if kind in "biu" and rt == 0 and at == 0:
+            bad = np.asarray(ref != got)  # exact, even where float64 would round
         if not bad.any():
             return None
         mag = np.abs(a)
-        rel = np.where(
-            err == 0, 0.0, np.divide(err, mag, out=np.full_like(err, np.inf), where=mag > 0)
-        )
-    i_abs = int(np.argmax(err))
-    i_rel = int(np.argmax(rel))
-    where_abs, where_rel = _index(i_abs, a.shape), _index(i_rel, a.shape)
+        rel = np.divide(err, mag, out=np.full_like(err, np.inf), where=mag > 0)
+        rel = np.where(err == 0, 0.0, rel)
+        over = np.where(bad, err - bound, -np.inf)
+    i_abs, i_rel, i_worst = (int(np.argmax(e)) for e in (err, rel, over))
     return (
         f"{int(bad.sum())} of {a.size} elements differ beyond rtol={rt:g}, atol={at:g} "
-        f"(dtype {ref.dtype}); max abs error {err.flat[i_abs]:.3g} at index {where_abs} "
-        f"(got {_value(b.flat[i_abs])}, reference {_value(a.flat[i_abs])}); max relative error "
-        f"{rel.flat[i_rel]:.3g} at index {where_rel}"
+        f"(dtype {ref.dtype}); max abs error {err.flat[i_abs]:.3g} at index "
+        f"{_index(i_abs, a.shape)}, max relative error {rel.flat[i_rel]:.3g} at index "
+        f"{_index(i_rel, a.shape)}; furthest beyond the tolerance at index "
+        f"{_index(i_worst, a.shape)}: got {_value(b.flat[i_worst])}, "
+        f"reference {_value(a.flat[i_worst])}"
     )
 
 
