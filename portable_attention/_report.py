@@ -150,8 +150,13 @@ def _sees_cuda(backend: str) -> bool:
     return False
 
 
-def targets(backends: Sequence[str], devices: Sequence[str]) -> list[Target]:
-    """The targets for ``backends`` on ``devices`` (those it has; CuPy is CUDA only)."""
+def targets(
+    backends: Sequence[str], devices: Sequence[str], dtypes: Sequence[str] = tuple(TOLERANCES)
+) -> list[Target]:
+    """The targets for ``backends`` on ``devices`` (those it has; CuPy is CUDA only).
+
+    Each runs the ``dtypes`` it has (:data:`DTYPES`); a backend with none of them is left out.
+    """
     if "cuda" not in devices and "jax" in backends and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU probing (and warning) wanted
     found = []
@@ -161,7 +166,9 @@ def targets(backends: Sequence[str], devices: Sequence[str]) -> list[Target]:
                 continue
             if device == "cuda" and not _sees_cuda(backend):
                 continue
-            found.append(Target(backend, device, DTYPES[backend]))
+            has = tuple(d for d in DTYPES[backend] if d in dtypes)
+            if has:
+                found.append(Target(backend, device, has))
     return found
 
 
@@ -518,6 +525,11 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="comma list of cpu, cuda (default: cpu, and cuda where a backend sees a GPU)",
     )
+    p.add_argument(
+        "--dtypes",
+        metavar="LIST",
+        help="comma list of float32, float16, bfloat16 (default: each that a backend has)",
+    )
     p.add_argument("--cases", metavar="LIST", help="comma list of cases to run (default: all)")
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     p.add_argument(
@@ -574,6 +586,7 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
         if args.plot and args.plot_case not in case_names:
             _names(args.plot_case, case_names, "plot-case")
         devices = _names(args.devices, DEVICES, "devices") if args.devices else list(DEVICES)
+        dtypes = _names(args.dtypes, list(TOLERANCES), "dtypes") if args.dtypes else TOLERANCES
         backends = _names(args.backends, list(DTYPES), "backends") if args.backends else installed()
     except argparse.ArgumentTypeError as exc:
         return fail(str(exc))
@@ -586,11 +599,12 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return fail("--plot needs matplotlib: pip install 'portable-attention[plot]'")
     if run_on is None:
-        run_on = targets(backends, devices)
+        run_on = targets(backends, devices, list(dtypes))
         if not run_on:
             return fail(
                 f"no backend of {', '.join(backends)} has a device in {', '.join(devices)}"
-                " (cuda needs a GPU that torch, jax or cupy sees; cupy has no cpu)"
+                f" and a dtype in {', '.join(dtypes)} (cuda needs a GPU that torch, jax or "
+                "cupy sees; cupy has no cpu; bfloat16 is on torch and jax only)"
             )
 
     print(_header(battery, run_on))

@@ -158,6 +158,22 @@ def test_report_agrees_and_prints_table_and_json(
         assert by_key[("plain", "torch", "bfloat16")]["max_abs"] > 1e-4  # bfloat16 is coarse
 
 
+def test_whole_battery_in_float32(tmp_path: Path) -> None:
+    """Every case on every selected backend (float32 only, to stay fast)."""
+    out_json = tmp_path / "r.json"
+    argv = ["--backends", ",".join(REPORT_BACKENDS), "--dtypes", "float32", "-q"]
+    assert _report.main([*argv, "--json", str(out_json)]) == 0
+    rows = _rows_of(out_json)
+    assert len(rows) == len(_cases.battery()) * len(REPORT_BACKENDS)
+    assert {r["dtype"] for r in rows} == {"float32"}
+    assert all(r["ok"] and r["max_abs"] < 1e-5 for r in rows)
+    paths = {(r["case"], r["backend"]): r["path"] for r in rows}
+    assert paths[("chunked", "numpy")] == "portable:chunked"
+    if "torch" in REPORT_BACKENDS:
+        assert paths[("softcap", "torch")] == "portable"  # SDPA has no softcap
+        assert paths[("masked_rows", "torch")] == "fused:torch"
+
+
 def test_table_orders_by_case_then_dtype() -> None:
     rows = _report.run(
         [c for c in _cases.battery() if c.name in ("plain", "bias")],
@@ -351,10 +367,14 @@ def test_exit_2_for_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
 
 
-def test_exit_2_when_no_device_matches(capsys: pytest.CaptureFixture[str]) -> None:
+def test_exit_2_when_nothing_matches(capsys: pytest.CaptureFixture[str]) -> None:
     # NumPy never runs on CUDA: asking for numpy on cuda alone has nothing to run.
     assert _report.main(["--backends", "numpy", "--devices", "cuda"]) == 2
     assert "no backend of numpy has a device in cuda" in capsys.readouterr().err
+    assert _report.main(["--backends", "numpy", "--dtypes", "bfloat16"]) == 2
+    assert "and a dtype in bfloat16" in capsys.readouterr().err
+    assert _report.main(["--dtypes", "float64"]) == 2
+    assert "unknown dtypes ['float64']" in capsys.readouterr().err
 
 
 # -- the command line -----------------------------------------------------------------------------
