@@ -451,7 +451,8 @@ def plot_weights(
 ) -> list[str]:
     """Save a heatmap of ``case``'s weights (batch 0, head 0), one panel per target.
 
-    Returns the panel titles. Targets where the call fails get no panel.
+    Returns the panel titles. Targets where the call fails get no panel; with no panel at
+    all nothing is written.
     """
     from portable_attention import plot
 
@@ -470,6 +471,8 @@ def plot_weights(
             print(f"--plot: no panel for {target.name} {target.device}: {exc}", file=sys.stderr)
             continue
         weights[f"{target.name} {target.device}"] = w
+    if not weights:
+        return []
     figure = plot.side_by_side(weights, head=(0, 0), title=f"{case.name} ({dtype}): {case.about}")
     figure.savefig(path, dpi=100)
     import matplotlib.pyplot as plt
@@ -622,7 +625,10 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
     if args.plot:
         plot_case = next(c for c in _cases.battery() if c.name == args.plot_case)
         panels = plot_weights(plot_case, run_on, args.plot)
-        print(f"\nwrote {args.plot}: {plot_case.name} weights, panels {', '.join(panels)}")
+        if panels:
+            print(f"\nwrote {args.plot}: {plot_case.name} weights, panels {', '.join(panels)}")
+        else:
+            print(f"--plot: no backend gave {plot_case.name} weights to draw", file=sys.stderr)
     if args.json:
         data = {
             "tolerances": {d: {"rtol": r, "atol": a} for d, (r, a) in TOLERANCES.items()},

@@ -331,15 +331,18 @@ def _as_torch(x: Any) -> Any:
     return torch.from_numpy(np.asarray(x))
 
 
-def test_exit_1_when_a_call_raises(capsys: pytest.CaptureFixture[str]) -> None:
+def test_exit_1_when_a_call_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def fails(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         return attend(q, k[..., :3], v, **kwargs)  # Dk of k no longer matches q: ValueError
 
-    code = _report.main(["--cases", "plain", "-q"], run_on=[_numpy_target("fails", fails)])
-    assert code == 1
+    png = tmp_path / "none.png"
+    argv = ["--cases", "plain", "-q", "--plot", str(png), "--plot-case", "plain"]
+    assert _report.main(argv, run_on=[_numpy_target("fails", fails)]) == 1
     captured = capsys.readouterr()
     assert "ERROR" in captured.out
     assert "plain fails cpu float32: ValueError" in captured.err
+    assert "--plot: no backend gave plain weights to draw" in captured.err
+    assert not png.exists()
 
 
 # -- bad arguments: exit status 2 -----------------------------------------------------------------
