@@ -9,6 +9,7 @@ code under test.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from typing import Any
 
@@ -309,6 +310,50 @@ def test_float64_to_jax_without_x64_is_a_type_error() -> None:
             to_backend(np.ones(2), "jax")
         y = to_backend(np.ones(2, dtype=np.complex64), "jax")  # 8 bytes, but 32-bit parts
         assert y.dtype == np.complex64
+
+
+def test_no_framework_is_imported_to_find_out() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from portable_attention.testing import to_numpy, to_backend, assert_backends_agree\n"
+        "from portable_attention._convert import source_framework\n"
+        "a = np.ones((2, 3), dtype=np.float32)\n"
+        "assert source_framework(a) == 'numpy' and to_numpy(a) is a\n"
+        "assert to_backend(a, 'numpy') is a\n"
+        "assert_backends_agree(lambda x: x * 2, a, backends=['numpy'])\n"
+        "names = ('torch', 'jax', 'cupy', 'array_api_strict')\n"
+        "print(sorted(m for m in names if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+class DLPackOnly:
+    """An array of some other library: it offers DLPack and nothing else we know."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self._data = data
+        self.dtype = data.dtype
+        self.shape = data.shape
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._data.__dlpack_device__()
+
+
+@pytest.mark.parametrize("dst", SELECTED)
+def test_any_dlpack_producer_converts(dst: str) -> None:
+    data = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    x = DLPackOnly(data)
+    assert source_framework(x) == "dlpack"
+    y = to_backend(x, dst)
+    assert y.dtype == expected_dtype(dst, "float32")
+    np.testing.assert_array_equal(read(dst, y), data)
 
 
 def test_available_backends() -> None:

@@ -265,8 +265,10 @@ def assert_backends_agree(
 
     Every array in ``args`` and ``kwargs`` (nested in tuples, lists and dicts too) is
     converted with :func:`to_backend` to each backend in turn, as a fresh copy (``fn`` may
-    not change what the next backend sees); everything else is passed as it is. The outputs
-    are converted to NumPy and each backend's are compared with the first backend's.
+    not change what the next backend sees); everything else is passed as it is. Torch
+    tensors arrive detached (no ``requires_grad``): take gradients inside ``fn``. The
+    outputs are converted to NumPy and each backend's are compared with the first
+    backend's.
 
     Parameters
     ----------
