@@ -15,6 +15,7 @@ framework's fused kernel), and checks every result against NumPy, naming the pat
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -58,32 +59,27 @@ def _example() -> tuple[Array, Array, Array, Array]:
     return q, k, v, mask
 
 
+def _framework(name: str) -> Framework:
+    """``name``'s label and conversions (through ``_convert``, the package's one place)."""
+    from portable_attention import _convert
+
+    if name == "jax" and "jax" not in sys.modules:
+        # The demo runs on the CPU and should not probe for (and warn about) accelerators.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    version = getattr(importlib.import_module(name), "__version__", "")
+
+    def to_native(a: Array) -> Any:
+        return _convert.to_backend(np.ascontiguousarray(a), name)
+
+    return f"{name} {version}", to_native, _convert.to_numpy
+
+
 def _torch() -> Framework:
-    import torch
-
-    def to_torch(a: Array) -> Any:
-        return torch.from_numpy(np.ascontiguousarray(a))
-
-    def to_numpy(t: Any) -> Array:
-        return np.asarray(t.detach().cpu().numpy())
-
-    return f"torch {torch.__version__}", to_torch, to_numpy
+    return _framework("torch")
 
 
 def _jax() -> Framework:
-    # The demo runs on the CPU and should not probe for (and warn about) accelerators.
-    if "jax" not in sys.modules:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    import jax.numpy as jnp
-
-    def to_jax(a: Array) -> Any:
-        return jnp.asarray(a)
-
-    def to_numpy(x: Any) -> Array:
-        return np.asarray(x)
-
-    return f"jax {jax.__version__}", to_jax, to_numpy
+    return _framework("jax")
 
 
 # Imported lazily, and only when installed. (CuPy is not tried: it needs a GPU.)
