@@ -1,0 +1,197 @@
+"""Thread safety: concurrent ``attend`` calls give exactly the serial results.
+
+Calls from several threads mix backends, shapes, options and paths (the NumPy kernel's
+own threaded blocks included, torch SDPA, the portable dense and chunked paths, seeded
+dropout), in shuffled order; the call memo is made small so that it is cleared again and
+again while other threads read it, and the plan cache fills from many threads at once.
+Results are compared bit for bit with serial calls of the same arguments.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import _attention, _plan, attend, plan
+
+from conftest import BACKENDS, BY_NAME, Backend, requires_backend
+from helpers import randn, rng_for
+
+Job = tuple[str, Callable[[], Any]]
+
+
+def _as_tuple(result: Any) -> tuple[Any, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _jobs(backend: Backend, *, many_shapes: bool = False) -> list[Job]:
+    """Calls of ``attend`` on ``backend`` with fixed arguments (a fresh generator per call
+    where dropout draws, so that a call's result does not depend on call order)."""
+    jobs: list[Job] = []
+    lengths = [(1, 2), (3, 9), (8, 5)] if many_shapes else [(5, 7)]
+    for lq, lk in lengths:
+        rng = rng_for("threads", backend.name, lq, lk)
+        q = backend.asarray(randn(rng, (2, 4, lq, 8)), "float32")
+        k = backend.asarray(randn(rng, (2, 2, lk, 8)), "float32")
+        v = backend.asarray(randn(rng, (2, 2, lk, 6)), "float32")
+        mask = backend.asarray(rng.random((lq, lk)) < 0.7)
+        bias_np = randn(rng, (4, lq, lk))
+        bias_np[:, 0, :] = -np.inf
+        bias = backend.asarray(bias_np, "float32")
+        options: list[dict[str, Any]] = [
+            {},
+            {"causal": True},
+            {"mask": mask, "return_lse": True},
+            {"bias": bias, "window": (2, 1), "return_weights": True},
+            {"softcap": 3.0, "scale": 0.3},
+            {"chunk_size": 2, "causal": "upper_left", "return_lse": True},
+            {"implementation": "portable", "mask": mask, "bias": bias},
+        ]
+        for kw in options:
+            jobs.append((f"{backend.name}-{lq}x{lk}-{sorted(kw)}", _bind(q, k, v, kw)))
+        jobs.append(
+            (
+                f"{backend.name}-{lq}x{lk}-dropout",
+                lambda q=q, k=k, v=v: attend(
+                    q, k, v, dropout=0.3, rng=backend.make_rng(7), return_weights=True
+                ),
+            )
+        )
+    return jobs
+
+
+def _bind(q: Any, k: Any, v: Any, kw: dict[str, Any]) -> Callable[[], Any]:
+    return lambda: attend(q, k, v, **kw)
+
+
+def _numpy_threaded_jobs() -> list[Job]:
+    """Calls big enough (2M scores) for the NumPy kernel's own threaded query blocks."""
+    rng = rng_for("threads", "numpy-big")
+    q, k, v = (randn(rng, (1, 8, 512, 16)).astype(np.float32) for _ in range(3))
+    mask = rng.random((512, 512)) < 0.8
+    assert plan(q, k, v).path == "native:numpy"
+    return [
+        ("numpy-big", lambda: attend(q, k, v)),
+        ("numpy-big-mask-causal", lambda: attend(q, k, v, mask=mask, causal=True, return_lse=True)),
+    ]
+
+
+def _to_numpy(backend: Backend, result: Any) -> list[np.ndarray]:
+    return [backend.to_numpy(r) for r in _as_tuple(result)]
+
+
+def _assert_same(name: str, got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want), name
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=name)  # bit for bit (NaN == NaN)
+
+
+def _run_concurrently(jobs: list[tuple[Backend, Job]], repeats: int, workers: int) -> None:
+    """Serial results first, then every job ``repeats`` times in shuffled order from
+    ``workers`` threads started together; each result must equal its serial one."""
+    serial = {name: _to_numpy(b, fn()) for b, (name, fn) in jobs}
+    order = [i for _ in range(repeats) for i in range(len(jobs))]
+    rng_for("threads", "order", len(jobs)).shuffle(order)
+    barrier = threading.Barrier(workers)
+
+    def work(chunk: list[int]) -> list[tuple[str, list[np.ndarray]]]:
+        barrier.wait()
+        out = []
+        for i in chunk:
+            b, (name, fn) = jobs[i]
+            out.append((name, _to_numpy(b, fn())))
+        return out
+
+    chunks = [order[w::workers] for w in range(workers)]
+    with ThreadPoolExecutor(workers) as pool:
+        results = [r for part in pool.map(work, chunks) for r in part]
+    assert len(results) == len(order)
+    for name, got in results:
+        _assert_same(name, got, serial[name])
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def test_concurrent_calls_match_serial_all_backends() -> None:
+    """Every selected backend at once, several paths and options each, 6 threads
+    (array_api_strict_jit is array_api_strict without its flags here)."""
+    jobs = [(b, job) for b in BACKENDS if b.name != "array_api_strict_jit" for job in _jobs(b)]
+    if "numpy" in BY_NAME:
+        jobs += [(BY_NAME["numpy"], job) for job in _numpy_threaded_jobs()]
+    _run_concurrently(jobs, repeats=3, workers=6)
+
+
+def test_concurrent_calls_per_backend(backend: Backend) -> None:
+    """One backend (array_api_strict's flags are process-wide: the worker threads run
+    under them too), 3 shapes x 8 option sets, 4 threads."""
+    jobs = [(backend, job) for job in _jobs(backend, many_shapes=True)]
+    _run_concurrently(jobs, repeats=2, workers=4)
+
+
+def test_memo_cleared_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call memo holds 5 calls here, so with 3 shapes x 8 option sets in flight it is
+    cleared hundreds of times while other threads look up and insert; the plan cache is
+    emptied first so that it fills from all threads at once. Results stay exact, the memo
+    never outgrows its bound, plan() agrees with a fresh serial plan."""
+    monkeypatch.setattr(_attention, "_CALLS_MAX", 5)
+    monkeypatch.setattr(_attention, "_calls", {})
+    monkeypatch.setattr(_plan, "_cache", {})
+    jobs = [
+        (b, job)
+        for b in BACKENDS
+        if b.name in ("numpy", "torch")
+        for job in _jobs(b, many_shapes=True)
+    ]
+    if not jobs:
+        b = BACKENDS[0]
+        jobs = [(b, job) for job in _jobs(b, many_shapes=True)]
+    sizes: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            sizes.append(len(_attention._calls))
+            time.sleep(1e-4)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        _run_concurrently(jobs, repeats=3, workers=6)
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(sizes) <= 5 + 6  # the bound, plus at most one insert per thread in flight
+    b = jobs[0][0]
+    rng = rng_for("threads", "plan-check")
+    q = b.asarray(randn(rng, (2, 4, 3, 8)), "float32")
+    k = b.asarray(randn(rng, (2, 2, 5, 8)), "float32")
+    cached = plan(q, k, k, causal=True)
+    monkeypatch.setattr(_plan, "_cache", {})
+    assert plan(q, k, k, causal=True) == cached
+
+
+@requires_backend("numpy")
+def test_numpy_threaded_kernel_restores_blas_threads() -> None:
+    """Concurrent big calls pin the BLAS to one thread only while they run: afterwards its
+    thread count is what it was (it used to stay at 1 when calls overlapped)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads() -> list[int]:
+        return [
+            info["num_threads"]
+            for info in threadpoolctl.threadpool_info()
+            if info["user_api"] == "blas"
+        ]
+
+    before = blas_threads()
+    if not before or max(before) == 1:
+        pytest.skip(f"the BLAS runs on one thread already ({before}): nothing to restore")
+    jobs = [(BY_NAME["numpy"], job) for job in _numpy_threaded_jobs()]
+    _run_concurrently(jobs, repeats=2, workers=4)
+    assert blas_threads() == before
