@@ -729,6 +729,20 @@ def test_plugin_option_restricts(plugin_project: pytest.Pytester) -> None:
         result.stdout.no_fnmatch_line(f"*test_backend?{name}?*")
 
 
+def test_plugin_loads_with_dash_p(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    pytester.makepyfile(test_user=PLUGIN_TESTS)  # no conftest: the plugin comes from -p
+    plugin = "portable_attention.testing.pytest_plugin"
+    result = pytester.runpytest("-p", plugin, "--array-backends=numpy", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_backend?numpy? PASSED*"])
+    without = pytester.runpytest("-v")
+    without.assert_outcomes(errors=2)  # no plugin: fixture 'array_backend' not found
+    without.stdout.fnmatch_lines(["*fixture 'array_backend' not found*"])
+
+
 def test_plugin_env_var_restricts_and_option_wins(
     plugin_project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
