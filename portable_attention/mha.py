@@ -5,15 +5,13 @@ Parameters are a plain ``dict`` of arrays, applied as ``x @ w + b`` on batch-fir
 ``[B, L, E]`` (the one state format, shared with
 :class:`portable_attention.backends.torch_mha.MultiHeadAttention`):
 
-==========  =====================  ==========================================
-name        shape                  role
-==========  =====================  ==========================================
-``w_q``     ``(E, Hq * D)``        query projection
-``w_k``     ``(kdim, Hk * D)``     key projection
-``w_v``     ``(vdim, Hk * Dv)``    value projection (``Dv == D`` from :func:`init_params`)
-``w_o``     ``(Hq * Dv, E)``       output projection
-``b_q``     ``(Hq * D,)``          optional bias of ``w_q`` (likewise ``b_k``, ``b_v``, ``b_o``)
-==========  =====================  ==========================================
+| name    | shape              | role                                                        |
+| ------- | ------------------ | ----------------------------------------------------------- |
+| ``w_q`` | ``(E, Hq * D)``    | query projection                                            |
+| ``w_k`` | ``(kdim, Hk * D)`` | key projection                                              |
+| ``w_v`` | ``(vdim, Hk * Dv)``| value projection (``Dv == D`` from :func:`init_params`)     |
+| ``w_o`` | ``(Hq * Dv, E)``   | output projection                                           |
+| ``b_q`` | ``(Hq * D,)``      | optional bias of ``w_q`` (likewise ``b_k``, ``b_v``, ``b_o``) |
 
 ``Hq`` is ``num_heads``, ``Hk`` is ``num_kv_heads`` (default ``Hq``; ``Hq % Hk == 0`` gives
 grouped-query attention, ``Hk == 1`` multi-query). Attention itself is :func:`attend`, so
