@@ -19,6 +19,7 @@ if "torch" not in BY_NAME:
 
 # torch is selected: transformers must import (nox installs it with torch); never skipped.
 import torch
+import transformers
 from portable_attention.integrations import transformers as hf
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig
 
@@ -222,6 +223,37 @@ def test_gemma2_softcap_matters() -> None:
     other.attn_logit_softcapping = 0.5
     base = logits(build(gemma2(), NAME), ids, am)
     assert max_diff(logits(build(other, NAME), ids, am), base, am) > 1e-3
+
+
+# -- encoders and encoder-decoders ------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="BERT and T5 dispatch through AttentionInterface from transformers 5 on",
+)
+def test_bert_and_t5_match_eager() -> None:
+    """Bidirectional self-attention with a padding mask (BERT), and T5: relative position
+    bias (``position_bias``), no score scaling, cross-attention with the encoder's mask."""
+    ids, am = batch("right")
+    small = {"vocab_size": 100, "initializer_range": INIT}
+    bert = transformers.BertConfig(
+        **small, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
+    t5 = transformers.T5Config(
+        vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4
+    )
+    for config, kw in ((bert, {}), (t5, {"decoder_input_ids": ids[:, :5]})):
+        out = {}
+        for impl in ("eager", NAME):
+            torch.manual_seed(0)
+            model = transformers.AutoModel.from_config(
+                copy.deepcopy(config), attn_implementation=impl
+            ).eval()
+            with torch.no_grad():
+                out[impl] = model(ids, attention_mask=am, **kw).last_hidden_state
+        real = am if not kw else torch.ones(3, 5, dtype=torch.bool)
+        assert max_diff(out[NAME], out["eager"], real) < TOL[torch.float32], type(config)
 
 
 # -- dropout ---------------------------------------------------------------------------------
