@@ -300,10 +300,18 @@ def _torch_from_numpy(torch: Any, a: np.ndarray) -> Any:
         return torch.from_numpy(np.array(a, copy=True))
 
 
+def _on_host(x: Any) -> bool:
+    try:
+        return int(x.__dlpack_device__()[0]) == 1  # kDLCPU
+    except Exception:
+        return False
+
+
 def _to_torch(x: Any, src: str, torch: Any) -> Any:
     if src == "torch":
         return _torch_plain(x)
-    if src in ("numpy", "array_api_strict"):
+    if src in ("numpy", "array_api_strict") or (src == "dlpack" and _on_host(x)):
+        # through a NumPy view, which _torch_from_numpy rids of negative strides
         return _torch_from_numpy(torch, _numpy_from(x, src))
     if src == "cupy" and any(s < 0 for s in x.strides):
         x = x.copy()  # C-contiguous, positive strides
