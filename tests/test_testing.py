@@ -357,6 +357,26 @@ def test_any_dlpack_producer_converts(dst: str) -> None:
         np.testing.assert_array_equal(read(dst, y), view)
 
 
+@requires_backend("torch")
+def test_bfloat16_to_numpy_without_ml_dtypes_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['ml_dtypes'] = None  # as if not installed: importing it fails\n"
+        "import torch\n"
+        "from portable_attention.testing import to_numpy\n"
+        "try:\n"
+        "    to_numpy(torch.ones(2, dtype=torch.bfloat16))\n"
+        "except TypeError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "`x` has dtype bfloat16, which NumPy has only through the ml_dtypes" in done.stdout
+    assert "pip install ml_dtypes" in done.stdout
+
+
 def test_available_backends() -> None:
     names = available_backends()
     assert isinstance(names, tuple)
