@@ -35,15 +35,13 @@ _EXACT = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 def tolerance(dtype: Any) -> tuple[float, float]:
     """The default ``(rtol, atol)`` for comparing results of dtype ``dtype`` across backends.
 
-    ========================  ===========  ===========
-    dtype                     rtol         atol
-    ========================  ===========  ===========
-    float64, complex128       1e-12        1e-12
-    float32, complex64        1e-5         1e-6
-    float16                   1e-2         1e-3
-    bfloat16                  2e-2         1e-2
-    bool and integer dtypes   0 (exact)    0 (exact)
-    ========================  ===========  ===========
+    | dtype                   | rtol      | atol      |
+    | ----------------------- | --------- | --------- |
+    | float64, complex128     | 1e-12     | 1e-12     |
+    | float32, complex64      | 1e-5      | 1e-6      |
+    | float16                 | 1e-2      | 1e-3      |
+    | bfloat16                | 2e-2      | 1e-2      |
+    | bool and integer dtypes | 0 (exact) | 0 (exact) |
 
     Two values ``a`` (the reference backend's) and ``b`` agree when
     ``|a - b| <= atol + rtol * |a|``, as in :func:`numpy.testing.assert_allclose`.

@@ -46,6 +46,7 @@ class ArrayBackend:
 
     @property
     def module(self) -> Any:
+        """The framework's own module (``jax.numpy`` for jax)."""
         return _import(self.name)
 
     @functools.cached_property
