@@ -470,6 +470,9 @@ def validate_call(
 ) -> Call:
     """Check every argument of ``attend``; return the normalised :class:`Call`."""
     weights_f, lse_f = _flag("return_weights", return_weights), _flag("return_lse", return_lse)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:  # check_arrays skips None (mask, bias): q, k, v are required
+            _type_info(name, x)
     xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
     _check_dtypes(xp, q, k, v)
     _check_shapes(q, k, v)
