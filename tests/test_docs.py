@@ -188,3 +188,12 @@ def test_block_parser_finds_marks_and_line_numbers(tmp_path: Path) -> None:
         {"torch", "jax"},
         {"flax"},
     )
+
+
+def test_every_page_is_in_the_site_nav() -> None:
+    """Each docs page is reachable from mkdocs.yml's nav, and the nav names only real pages."""
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    nav = set(re.findall(r"^\s*-\s*(?:[^:\n]+:\s*)?([\w./-]+\.md)\s*$", config, re.MULTILINE))
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    assert pages - nav == set(), f"pages missing from the nav of mkdocs.yml: {pages - nav}"
+    assert nav - pages == set(), f"nav entries without a page: {nav - pages}"
