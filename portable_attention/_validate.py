@@ -381,6 +381,11 @@ def _real_number(name: str, value: object) -> float:
             value = float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
         except (TypeError, ValueError):
             msg = f"`{name}` must be a Python float, got {value!r} of type {_type_name(value)}."
+            if hasattr(value, "shape"):  # a traced or many-element array
+                msg += (
+                    " Under jax.jit pass it as a static argument (`static_argnames`) or a "
+                    "Python constant; a traced value cannot choose the computation."
+                )
             raise TypeError(msg) from None
     return float(value)
 

@@ -464,6 +464,27 @@ def test_catalogue_size() -> None:
     assert (len(ids), len(IN_TEST_ERRORS)) == (59, 90)  # 149 cases in all
 
 
+@requires_backend("jax")
+@pytest.mark.parametrize("option", ["scale", "softcap", "dropout"])
+def test_traced_option_under_jit(option: str) -> None:
+    """A traced float option under jax.jit is our TypeError (not JAX's
+    ConcretizationTypeError) and says how to pass it: as a static argument."""
+    import jax
+
+    backend = BY_NAME["jax"]
+    args = qkv(backend)
+    extra = {"rng": backend.make_rng(0)} if option == "dropout" else {}
+
+    def f(value: Any) -> Any:
+        return attend(**args, **{option: value}, **extra)
+
+    with pytest.raises(TypeError) as info:
+        jax.jit(f)(0.25)
+    assert type(info.value) is TypeError
+    assert f"`{option}`" in str(info.value) and "static" in str(info.value)
+    assert _raised_here(info.value)
+
+
 def test_inputs_unchanged_after_errors(backend: Backend) -> None:
     """A failing call modifies nothing: arrays compare equal before and after."""
     args = qkv(backend)
@@ -621,3 +642,24 @@ def test_dk_zero_means_every_score_is_zero(backend: Backend, path: str) -> None:
     if lse is not None:
         want_lse = np.where(counts > 0, np.log(np.maximum(counts, 1)), -np.inf)
         np.testing.assert_array_equal(backend.to_numpy(lse), np.broadcast_to(want_lse, (2, 4, 3)))
+
+
+def test_numpy_number_options_work_like_python_ones(backend: Backend) -> None:
+    """NumPy integers for ``window``/``chunk_size``, NumPy floats and 0-d arrays for
+    ``scale``/``softcap`` and NumPy bools for ``return_*`` give the Python values' result
+    (configs loaded with NumPy hold such values); NumPy bools stay refused for ``window``."""
+    args = qkv(backend)
+    python = {"window": (2, 1), "chunk_size": 2, "scale": 0.25, "softcap": 3.0}
+    numpy_ = {
+        "window": (np.int64(2), np.int32(1)),
+        "chunk_size": np.int64(2),
+        "scale": np.float32(0.25),
+        "softcap": np.array(3.0),
+    }
+    want = attend(**args, **python, return_lse=True)
+    got = attend(**args, **numpy_, return_lse=np.True_)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(backend.to_numpy(g), backend.to_numpy(w))
+    assert plan(**args, **numpy_) == plan(**args, **python)
+    with pytest.raises(ValueError, match="`window`"):
+        attend(**args, window=np.True_)
