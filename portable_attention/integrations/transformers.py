@@ -1,8 +1,11 @@
 """Hugging Face transformers: every attention of a model through :func:`~portable_attention.attend`.
 
->>> from portable_attention.integrations.transformers import register
->>> name = register()  # "portable"
->>> model = AutoModelForCausalLM.from_config(config, attn_implementation=name)  # doctest: +SKIP
+Usage (``config`` any transformers model config)::
+
+    from portable_attention.integrations.transformers import register
+
+    name = register()  # "portable"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
 
 :func:`register` adds :func:`attention_forward` to transformers' public
 ``AttentionInterface`` under ``name``, and (transformers >= 4.53, which has
@@ -256,6 +259,8 @@ def register(name: str = "portable") -> str:
     ------
     ValueError
         An empty ``name`` or one of transformers' own implementations.
+    ImportError
+        transformers is not installed.
 
     Examples
     --------
@@ -264,8 +269,14 @@ def register(name: str = "portable") -> str:
     ...                      num_key_value_heads=2, intermediate_size=128, vocab_size=100)
     >>> model = AutoModelForCausalLM.from_config(config, attn_implementation=register())
     """
-    import transformers
-
+    try:
+        import transformers
+    except ImportError as exc:
+        msg = (
+            "`register` needs Hugging Face transformers (>= 4.48): "
+            "pip install 'portable-attention[transformers]'"
+        )
+        raise ImportError(msg) from exc
     builtin = {"eager", "sdpa", "flex_attention", "paged|eager"}
     if not isinstance(name, str) or not name or name in builtin or "flash" in name:
         msg = (
