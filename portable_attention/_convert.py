@@ -353,20 +353,23 @@ def _to_cupy(x: Any, src: str, cupy: Any) -> Any:
             return cupy.from_dlpack(x)
         except _DLPACK_ERRORS:
             pass
-    a = _native(_numpy_from(x, src))
-    if a.dtype.name in _ML_DTYPES:
-        msg = f"`x` has dtype {a.dtype.name}, which CuPy does not have; cast it to float32 first."
+    name = dtype_name(getattr(x, "dtype", None))
+    if name in _ML_DTYPES:
+        msg = f"`x` has dtype {name}, which CuPy does not have; cast it to float32 first."
         raise TypeError(msg)
-    return cupy.asarray(a)
+    return cupy.asarray(_native(_numpy_from(x, src)))
 
 
 def _to_strict(x: Any, src: str, xs: Any) -> Any:
     if src == "array_api_strict":
         return x
-    a = _native(_numpy_from(x, src))
-    if a.dtype.name in _ML_DTYPES or not hasattr(xs, a.dtype.name):
+    name = dtype_name(getattr(x, "dtype", None))
+    a = None if name in _ML_DTYPES else _native(_numpy_from(x, src))
+    if a is not None:
+        name = a.dtype.name
+    if a is None or not hasattr(xs, name):
         msg = (
-            f"`x` has dtype {a.dtype.name}, which array_api_strict does not have; cast it "
+            f"`x` has dtype {name}, which array_api_strict does not have; cast it "
             "to float32 first (or compare 16-bit floats on numpy, torch and jax)."
         )
         raise TypeError(msg)

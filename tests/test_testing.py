@@ -40,9 +40,11 @@ SELECTED: tuple[str, ...] = tuple(
 )
 PAIRS = [pytest.param(s, d, id=f"{s}-to-{d}") for s in SELECTED for d in SELECTED]
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-# array_api_strict has no 16-bit floats; NumPy has bfloat16 only through ml_dtypes.
+# array_api_strict has no 16-bit floats; NumPy has bfloat16 only through ml_dtypes (which
+# comes with JAX: sessions without JAX may lack it).
+HAS_ML_DTYPES = importlib.util.find_spec("ml_dtypes") is not None
 HAS_DTYPE = {
-    "numpy": set(DTYPES),
+    "numpy": set(DTYPES) if HAS_ML_DTYPES else set(DTYPES) - {"bfloat16"},
     "torch": set(DTYPES),
     "jax": set(DTYPES),
     "array_api_strict": {"float32", "float64"},
@@ -75,11 +77,18 @@ def expected_dtype(name: str, dtype: str) -> Any:
 
 
 def special_values(dtype: str) -> np.ndarray:
-    """Random values plus the ones a lossy conversion gets wrong: nan, +-inf, -0.0, tiny."""
-    tiny = float(np.finfo(np.float16).tiny) if dtype == "float16" else 1e-30
+    """Random values plus the ones a lossy conversion gets wrong: nan, +-inf, -0.0, tiny;
+    all exact in ``dtype`` (returned as float64)."""
     rng = rng_for("special", dtype)
-    values = np.concatenate([rng.standard_normal(19), [np.nan, np.inf, -np.inf, -0.0, tiny]])
-    return values.reshape(2, 3, 4).astype(numpy_dtype(dtype)).astype(np.float64)
+    if dtype == "bfloat16":  # multiples of 1/8 up to 16 fit bfloat16's 8 significant bits
+        tiny, values = 2.0**-126, rng.integers(-128, 128, 19) / 8
+    else:
+        tiny = float(np.finfo(np.float16).tiny) if dtype == "float16" else 1e-30
+        values = rng.standard_normal(19)
+    values = np.concatenate([values, [np.nan, np.inf, -np.inf, -0.0, tiny]])
+    if dtype != "bfloat16":
+        values = values.astype(dtype)
+    return values.reshape(2, 3, 4).astype(np.float64)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -99,7 +108,8 @@ def test_round_trip_keeps_values_dtype_shape(src: str, dst: str, dtype: str) -> 
     data = special_values(dtype)
     x = make(src, data, dtype)
     if dtype not in HAS_DTYPE[dst]:
-        with pytest.raises(TypeError, match=f"`x` has dtype {dtype}, which {dst} does not have"):
+        lacks = "NumPy has only through the ml_dtypes" if dst == "numpy" else f"{dst} does not"
+        with pytest.raises(TypeError, match=f"`x` has dtype {dtype}, which {lacks}"):
             to_backend(x, dst)
         return
     y = to_backend(x, dst)
@@ -110,8 +120,9 @@ def test_round_trip_keeps_values_dtype_shape(src: str, dst: str, dtype: str) -> 
     assert type(back) is type(x)
     assert back.dtype == x.dtype
     assert same_bits(read(src, back), data)
-    assert same_bits(to_numpy(y).astype(np.float64), data)
-    assert to_numpy(y).dtype == numpy_dtype(dtype)
+    if dtype in HAS_DTYPE["numpy"]:
+        assert same_bits(to_numpy(y).astype(np.float64), data)
+        assert to_numpy(y).dtype == numpy_dtype(dtype)
 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS)
@@ -449,7 +460,19 @@ def test_bfloat16_on_torch_and_jax(pair: tuple[str, str]) -> None:
     assert outs["jax"].dtype == numpy_dtype("bfloat16")
 
 
-needs_two = pytest.mark.skipif(len(SELECTED) < 2, reason="needs two selected backends")
+def _comparable() -> tuple[str, ...]:
+    """Backends to exercise the comparison with: the selected ones, and where only one is
+    selected, NumPy or array_api_strict besides (light, and in every test environment)."""
+    if len(SELECTED) >= 2:
+        return SELECTED
+    for extra in ("numpy", "array_api_strict"):
+        if extra not in SELECTED and importlib.util.find_spec(extra) is not None:
+            return (*SELECTED, extra)
+    return SELECTED
+
+
+COMPARE = _comparable()
+needs_two = pytest.mark.skipif(len(COMPARE) < 2, reason="needs two backends to compare")
 
 
 def perturb_on(name: str, out: Any, delta: float, at: tuple[int, ...] = (1, 2, 3, 4)) -> Any:
@@ -463,7 +486,7 @@ def perturb_on(name: str, out: Any, delta: float, at: tuple[int, ...] = (1, 2, 3
 
 @needs_two
 def test_a_perturbed_backend_fails_with_the_details() -> None:
-    bad = SELECTED[-1]
+    bad = COMPARE[-1]
     q, k, v = qkv()
 
     def fn(q: Any, k: Any, v: Any) -> Any:
@@ -471,11 +494,11 @@ def test_a_perturbed_backend_fails_with_the_details() -> None:
         return out, perturb_on(bad, lse, delta=0.5, at=(1, 2, 3))
 
     with pytest.raises(AssertionError) as info:
-        assert_backends_agree(fn, q, k, v, backends=SELECTED)
+        assert_backends_agree(fn, q, k, v, backends=COMPARE)
     msg = str(info.value)
-    assert f"backend {bad!r} disagrees with {SELECTED[0]!r} on output[1]:" in msg
+    assert f"backend {bad!r} disagrees with {COMPARE[0]!r} on output[1]:" in msg
     assert "1 of 30 elements differ beyond rtol=1e-05, atol=1e-06 (dtype float32)" in msg
-    ref = to_numpy(attend(*(to_backend(a, SELECTED[0]) for a in (q, k, v)), return_lse=True)[1])
+    ref = to_numpy(attend(*(to_backend(a, COMPARE[0]) for a in (q, k, v)), return_lse=True)[1])
     rel = 0.5 / abs(float(ref[1, 2, 3]))
     assert f"max abs error 0.5 at index (1, 2, 3), max relative error {rel:.3g} at index" in msg
     assert "at index (1, 2, 3); furthest beyond the tolerance at index (1, 2, 3): got " in msg
@@ -484,22 +507,22 @@ def test_a_perturbed_backend_fails_with_the_details() -> None:
 
 @needs_two
 def test_explicit_tolerances_accept_a_small_perturbation() -> None:
-    bad = SELECTED[1]
+    bad = COMPARE[1]
     q, k, v = qkv()
 
     def fn(q: Any, k: Any, v: Any) -> Any:
         return perturb_on(bad, attend(q, k, v), delta=1e-3)
 
     with pytest.raises(AssertionError, match=r"rtol=1e-05, atol=1e-06"):
-        assert_backends_agree(fn, q, k, v, backends=SELECTED)
-    assert_backends_agree(fn, q, k, v, backends=SELECTED, atol=2e-3)
+        assert_backends_agree(fn, q, k, v, backends=COMPARE)
+    assert_backends_agree(fn, q, k, v, backends=COMPARE, atol=2e-3)
     with pytest.raises(AssertionError, match=r"rtol=0.0001, atol=1e-06"):
-        assert_backends_agree(fn, q, k, v, backends=SELECTED, rtol=1e-4, atol=1e-6)
+        assert_backends_agree(fn, q, k, v, backends=COMPARE, rtol=1e-4, atol=1e-6)
 
 
 @needs_two
 def test_nested_outputs_report_the_key_path() -> None:
-    bad = SELECTED[-1]
+    bad = COMPARE[-1]
     q, k, v = qkv()
 
     def fn(q: Any, k: Any, v: Any) -> Any:
@@ -507,12 +530,12 @@ def test_nested_outputs_report_the_key_path() -> None:
         return {"attn": (out, [perturb_on(bad, w, delta=-0.1, at=(0, 1, 2, 3))]), "n": 3}
 
     with pytest.raises(AssertionError) as info:
-        assert_backends_agree(fn, q, k, v, backends=SELECTED)
+        assert_backends_agree(fn, q, k, v, backends=COMPARE)
     msg = str(info.value)
-    assert f"backend {bad!r} disagrees with {SELECTED[0]!r} on output['attn'][1][0]:" in msg
+    assert f"backend {bad!r} disagrees with {COMPARE[0]!r} on output['attn'][1][0]:" in msg
     assert "index (0, 1, 2, 3)" in msg
-    good = assert_backends_agree(lambda q: {"x": [q, (q,)], "n": 3}, q, backends=SELECTED)
-    for name in SELECTED:
+    good = assert_backends_agree(lambda q: {"x": [q, (q,)], "n": 3}, q, backends=COMPARE)
+    for name in COMPARE:
         assert good[name]["n"] == 3
         assert isinstance(good[name]["x"], list) and isinstance(good[name]["x"][1], tuple)
         np.testing.assert_array_equal(good[name]["x"][1][0], q)
@@ -535,7 +558,7 @@ def test_nested_outputs_report_the_key_path() -> None:
     ],
 )
 def test_structure_shape_dtype_mismatches_fail(kind: str, message: str) -> None:
-    bad = SELECTED[1]
+    bad = COMPARE[1]
 
     def fn(x: Any) -> Any:
         a = to_numpy(x)
@@ -557,20 +580,20 @@ def test_structure_shape_dtype_mismatches_fail(kind: str, message: str) -> None:
 
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     with pytest.raises(AssertionError, match=message):
-        assert_backends_agree(fn, x, backends=SELECTED)
+        assert_backends_agree(fn, x, backends=COMPARE)
 
 
 @needs_two
 def test_same_nans_and_infs_agree() -> None:
     x = np.array([np.nan, np.inf, -np.inf, 0.0, -1.0], dtype=np.float32)
-    outs = assert_backends_agree(lambda a: a * 1, x, backends=SELECTED)
-    for name in SELECTED:
+    outs = assert_backends_agree(lambda a: a * 1, x, backends=COMPARE)
+    for name in COMPARE:
         np.testing.assert_array_equal(outs[name], x)
 
 
 @needs_two
 def test_integers_strings_and_float8_outputs() -> None:
-    bad = SELECTED[1]
+    bad = COMPARE[1]
     big = np.array([2**53, 7], dtype=np.int64)  # 2**53 + 1 rounds to 2**53 in float64
 
     def ints(x: Any) -> Any:
@@ -579,26 +602,29 @@ def test_integers_strings_and_float8_outputs() -> None:
     with pytest.raises(
         AssertionError, match=r"output: 2 of 2 elements differ beyond rtol=0, atol=0"
     ):
-        assert_backends_agree(ints, np.ones(1), backends=SELECTED)
+        assert_backends_agree(ints, np.ones(1), backends=COMPARE)
 
     def off_by_one_ulp(x: Any) -> Any:
         return np.array([2**53 + (source_framework(x) == bad)], dtype=np.int64)
 
     with pytest.raises(AssertionError, match=r"1 of 1 elements differ .*\(dtype int64\)"):
-        assert_backends_agree(off_by_one_ulp, np.ones(1), backends=SELECTED)
+        assert_backends_agree(off_by_one_ulp, np.ones(1), backends=COMPARE)
 
     def words(x: Any) -> Any:
         return np.array(["a", "b" if source_framework(x) == bad else "c"])
 
     with pytest.raises(AssertionError, match=r"compared exactly\); the first at index \(1,\)"):
-        assert_backends_agree(words, np.ones(1), backends=SELECTED)
+        assert_backends_agree(words, np.ones(1), backends=COMPARE)
 
-    import ml_dtypes
 
+@needs_two
+def test_float8_outputs_need_explicit_tolerances() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bad = COMPARE[1]
     e4m3 = np.array([1.0, 2.0], dtype=ml_dtypes.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"no default tolerance"):
-        assert_backends_agree(lambda x: e4m3, np.ones(1), backends=SELECTED)
-    outs = assert_backends_agree(lambda x: e4m3, np.ones(1), backends=SELECTED, rtol=0, atol=0)
+        assert_backends_agree(lambda x: e4m3, np.ones(1), backends=COMPARE)
+    outs = assert_backends_agree(lambda x: e4m3, np.ones(1), backends=COMPARE, rtol=0, atol=0)
     assert outs[bad].dtype == e4m3.dtype
 
 
