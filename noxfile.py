@@ -97,10 +97,10 @@ def jax(session: nox.Session) -> None:
 
 @nox.session(name="tests-all")
 def tests_all(session: nox.Session) -> None:
-    """Whole suite with every CPU backend installed together, then the demo."""
+    """Whole suite with every CPU backend installed together, then the consistency report."""
     _run_tests(session, ("numpy", "array_api_strict", "torch", "jax"))
-    # The README's first command: the cross-framework demo exits 1 on a disagreement.
-    session.run("python", "-m", "portable_attention")
+    # The README's first command: the consistency report exits 1 on a disagreement.
+    session.run("python", "-m", "portable_attention", "--quiet")
 
 
 @nox.session
