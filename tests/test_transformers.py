@@ -2,8 +2,10 @@
 (no download) run with ``attn_implementation="portable"`` and agree with transformers' own
 ``eager`` and ``sdpa`` on every real (non-padded) position: Llama (grouped-query heads,
 left and right padding, float32 and float64, greedy generation with dynamic and static
-caches, attention weights, additive 4-D masks, dropout), Gemma 2 (softcap and sliding
-window) and Mistral (sliding window)."""
+caches, attention weights, additive 4-D masks, dropout, half precision), Gemma 2 (softcap
+and sliding window), Mistral (sliding window), and on transformers >= 5 BERT and T5
+(bidirectional attention, ``position_bias``, cross-attention). Verified on transformers
+4.48.3, 4.56.2 and 5.24.0."""
 
 from __future__ import annotations
 
