@@ -142,9 +142,27 @@ def _device_attribute(x: Any) -> Any:
     return x.device
 
 
+def _torch_device(x: Any) -> Any:
+    """A dense tensor's device; None for sparse layouts, so that the call memo never takes
+    a sparse tensor for a dense one of the same shape (validation then refuses it)."""
+    return x.device if x.layout is sys.modules["torch"].strided else None
+
+
+def _check_dense_tensor(name: str, x: Any) -> None:
+    """Sparse and nested torch tensors: our TypeError, not torch's from inside a kernel."""
+    if x.is_nested or x.layout is not sys.modules["torch"].strided:
+        kind, fix = (
+            ("nested", f"`{name}.to_padded_tensor(0.0)` with a `mask=` for the padding")
+            if x.is_nested
+            else (str(x.layout), f"`{name}.to_dense()`")
+        )
+        msg = f"`{name}` is a {kind} tensor; attend takes dense (strided) tensors: pass {fix}."
+        raise TypeError(msg)
+
+
 _DEVICE_GETTERS: dict[str, Callable[[Any], Any]] = {
     "numpy": _cpu,
-    "torch": _device_attribute,
+    "torch": _torch_device,
     "cupy": _device_attribute,
 }
 
@@ -171,6 +189,8 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
     present = [(name, x) for name, x in arrays.items() if x is not None]
     first_name, first = present[0]
     xp, backend, get_device = _type_info(first_name, first)
+    if backend == "torch":
+        _check_dense_tensor(first_name, first)
     device = get_device(first)
     for name, x in present[1:]:
         if _type_info(name, x)[0] is not xp:
@@ -180,6 +200,8 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
                 "first (e.g. `xp.from_dlpack` or `xp.asarray`)."
             )
             raise TypeError(msg)
+        if backend == "torch":
+            _check_dense_tensor(name, x)
         dev = get_device(x)
         if device is not None and dev is not None and dev != device:
             msg = (

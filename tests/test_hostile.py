@@ -179,6 +179,38 @@ CATALOGUE: list[Bad] = [
         ("MaskedArray", "filled", "mask="),
         _is("numpy"),
     ),
+    Bad(
+        "q_torch_sparse_coo",
+        _with(q=lambda b: qkv(b)["q"].to_sparse()),
+        TypeError,
+        ("q",),
+        ("sparse_coo", "to_dense()"),
+        _is("torch"),
+    ),
+    Bad(
+        "mask_torch_sparse",
+        _with(mask=lambda b: b.asarray(np.ones((3, 5), dtype=bool)).to_sparse()),
+        TypeError,
+        ("mask",),
+        ("to_dense()",),
+        _is("torch"),
+    ),
+    Bad(
+        "bias_torch_sparse_csr",
+        _with(bias=lambda b: b.asarray(np.zeros((3, 5)), "float32").to_sparse_csr()),
+        TypeError,
+        ("bias",),
+        ("sparse_csr", "to_dense()"),
+        _is("torch"),
+    ),
+    Bad(
+        "q_torch_nested",
+        _with(q=lambda b: b.module.nested.nested_tensor([b.module.zeros(3, 4)] * 2)),
+        TypeError,
+        ("q",),
+        ("nested", "to_padded_tensor", "mask="),
+        _is("torch"),
+    ),
     # --- ranks and shapes ----------------------------------------------------------------
     Bad(
         "q_zero_dim",
@@ -461,7 +493,7 @@ def test_catalogue_size() -> None:
     ids = [c.id for c in CATALOGUE]
     assert len(ids) == len(set(ids))
     assert not set(ids) & set(IN_TEST_ERRORS)
-    assert (len(ids), len(IN_TEST_ERRORS)) == (59, 90)  # 149 cases in all
+    assert (len(ids), len(IN_TEST_ERRORS)) == (63, 90)  # 153 cases in all
 
 
 @requires_backend("jax")
@@ -482,6 +514,21 @@ def test_traced_option_under_jit(option: str) -> None:
         jax.jit(f)(0.25)
     assert type(info.value) is TypeError
     assert f"`{option}`" in str(info.value) and "static" in str(info.value)
+    assert _raised_here(info.value)
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("which", ["q", "mask"])
+def test_torch_sparse_after_dense_call_of_same_shape(which: str) -> None:
+    """The call memo (keyed by type, shape, dtype, device) must not take a sparse tensor
+    for the dense one of a previous call: the sparse call is still our TypeError."""
+    backend = BY_NAME["torch"]
+    args = {**qkv(backend), "mask": backend.asarray(np.ones((3, 5), dtype=bool))}
+    attend(**args)
+    attend(**args)  # memoised now
+    args[which] = args[which].to_sparse()
+    with pytest.raises(TypeError, match=f"`{which}`.*to_dense") as info:
+        attend(**args)
     assert _raised_here(info.value)
 
 
