@@ -166,15 +166,15 @@ def test_rows_without_keys(backend: Backend, data: st.DataObject) -> None:
     assert np.all(out_np[empty] == 0)
     if lse is not None:
         np.testing.assert_array_equal(np.isneginf(backend.to_numpy(lse)), empty)
-    if backend.name not in ("torch", "jax"):
-        return
+    if backend.name != "torch" and (backend.name != "jax" or case.dtype != "float32"):
+        return  # gradients: torch, and JAX in float32 (its VJPs compile per shape and dtype)
     rng = np.random.default_rng(case.seed)
     w_out, w_lse = rng.standard_normal(ref_out.shape), rng.standard_normal(ref_lse.shape)
     grads = _grads(backend, case, arrays, path, w_out, w_lse if want_lse else None)
     for name, g in zip("qkv", grads, strict=True):
         assert np.all(np.isfinite(g)), f"d{name} is not finite"
     assert np.all(grads[0][empty] == 0), "dq is not 0 on rows with no key"
-    if path != "portable":
+    if path == "fused" or (path != "portable" and backend.name == "torch"):  # JAX: compiles
         want = _grads(backend, case, arrays, "portable", w_out, w_lse if want_lse else None)
         rtol, atol = TOLERANCES[case.dtype]
         for name, g, r in zip("qkv", grads, want, strict=True):
@@ -218,7 +218,9 @@ def _grads(
             total = total + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
         return total
 
-    return [backend.to_numpy(g) for g in jax.grad(loss_fn, argnums=(0, 1, 2))(q, k, v)]
+    # Under jit: one compilation instead of one per operation of the eager VJP (5x faster).
+    grad = jax.jit(jax.grad(loss_fn, argnums=(0, 1, 2)))
+    return [backend.to_numpy(g) for g in grad(q, k, v)]
 
 
 @given(data=st.data())
