@@ -106,6 +106,9 @@ def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
         msg = f"`{name}` of type {_type_name(x)} is not a supported array type: {err}"
         raise TypeError(msg) from None
     backend = _backend_name(x)
+    if backend == "torch":
+        global _torch_strided
+        _torch_strided = sys.modules["torch"].strided
     get_device = _DEVICE_GETTERS.get(backend, array_api_compat.device)
     info = (xp, backend, get_device)
     if not (backend == "jax" and type(x).__module__ == "numpy"):  # JAX's float0 gradients
@@ -142,15 +145,19 @@ def _device_attribute(x: Any) -> Any:
     return x.device
 
 
+#: ``torch.strided``, set when the first torch tensor type is registered (never imported).
+_torch_strided: Any = None
+
+
 def _torch_device(x: Any) -> Any:
     """A dense tensor's device; None for sparse layouts, so that the call memo never takes
     a sparse tensor for a dense one of the same shape (validation then refuses it)."""
-    return x.device if x.layout is sys.modules["torch"].strided else None
+    return x.device if x.layout is _torch_strided else None
 
 
 def _check_dense_tensor(name: str, x: Any) -> None:
     """Sparse and nested torch tensors: our TypeError, not torch's from inside a kernel."""
-    if x.is_nested or x.layout is not sys.modules["torch"].strided:
+    if x.is_nested or x.layout is not _torch_strided:
         kind, fix = (
             ("nested", f"`{name}.to_padded_tensor(0.0)` with a `mask=` for the padding")
             if x.is_nested
