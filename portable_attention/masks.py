@@ -52,6 +52,10 @@ def band(
     """
     q0, q1 = rows if rows is not None else (0, lq)
     k0, k1 = cols if cols is not None else (0, lk)
+    # No distance on the grid exceeds lq + lk: larger sides mean unbounded, and clamping
+    # keeps them from overflowing (or wrapping in) the framework's integer dtype.
+    left = None if left is None else min(left, lq + lk)
+    right = None if right is None else min(right, lq + lk)
     offset = lk - lq if align == "lower_right" else 0
     i = xp.reshape(xp.arange(q0, q1, device=device), (q1 - q0, 1))
     j = xp.reshape(xp.arange(k0, k1, device=device), (1, k1 - k0))

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import portable_attention
 import pytest
-from portable_attention import attend, plan
+from portable_attention import attend, masks, plan
 
 import oracle
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
@@ -710,3 +710,24 @@ def test_numpy_number_options_work_like_python_ones(backend: Backend) -> None:
     assert plan(**args, **numpy_) == plan(**args, **python)
     with pytest.raises(ValueError, match="`window`"):
         attend(**args, window=np.True_)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "window",
+    [2**63, (2**70, None), (None, 2**64), (0, 2**63)],
+    ids=["2e63", "left", "right", "0_2e63"],
+)
+def test_huge_window_is_unbounded(backend: Backend, path: str, window: Any) -> None:
+    """Window sides beyond any distance on the grid (2**63 and more) act as unbounded: no
+    int64 wrap-around (torch used to keep no key at 2**63) and no OverflowError."""
+    args = qkv(backend, "float64")
+    left, right = (window, window) if isinstance(window, int) else window
+    small = (None if left is None else min(left, 8), None if right is None else min(right, 8))
+    want = _attend_on(path, **args, window=small)
+    got = _attend_on(path, **args, window=window)
+    np.testing.assert_array_equal(backend.to_numpy(got), backend.to_numpy(want))
+    built = masks.window_mask(3, 5, window, xp=backend.xp)
+    np.testing.assert_array_equal(
+        backend.to_numpy(built), backend.to_numpy(masks.window_mask(3, 5, small, xp=backend.xp))
+    )
