@@ -416,7 +416,10 @@ def _real_number(name: str, value: object) -> float:
                     "Python constant; a traced value cannot choose the computation."
                 )
             raise TypeError(msg) from None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range: as infinite as inf
+        return math.inf if value > 0 else -math.inf
 
 
 def default_scale(dk: int) -> float:

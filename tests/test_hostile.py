@@ -341,8 +341,11 @@ CATALOGUE: list[Bad] = [
             ("zero", 0.0),
             ("zero_int", 0),
             ("negative", -0.5),
+            ("int_beyond_float", 10**400),
         )
     ],
+    Bad("softcap_int_beyond_float", _with(softcap=10**400), ValueError, ("softcap",), ("> 0",)),
+    Bad("dropout_int_beyond_float", _with(dropout=10**400), ValueError, ("dropout",), ("[0, 1)",)),
     *[
         Bad(f"scale_{label}", _with(scale=value), TypeError, ("scale",), ("float",))
         for label, value in (
@@ -493,7 +496,7 @@ def test_catalogue_size() -> None:
     ids = [c.id for c in CATALOGUE]
     assert len(ids) == len(set(ids))
     assert not set(ids) & set(IN_TEST_ERRORS)
-    assert (len(ids), len(IN_TEST_ERRORS)) == (63, 90)  # 153 cases in all
+    assert (len(ids), len(IN_TEST_ERRORS)) == (66, 90)  # 156 cases in all
 
 
 @requires_backend("jax")
