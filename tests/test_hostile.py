@@ -593,6 +593,25 @@ def test_numpy_negative_strides_and_read_only(path: str) -> None:
 
 
 @requires_backend("numpy")
+@pytest.mark.parametrize("path", ["auto", "portable", "chunked"])
+def test_numpy_overlapping_windows_as_keys(path: str) -> None:
+    """``sliding_window_view`` and ``as_strided`` give read-only views whose rows overlap
+    in memory (keys k[j] = x[j : j + 4]): read as they are."""
+    rng = rng_for("hostile", "numpy-overlap")
+    x = randn(rng, (2, 40))
+    k = np.lib.stride_tricks.sliding_window_view(x, 4, axis=-1)[:, None, :30]  # [2,1,30,4]
+    v = np.lib.stride_tricks.as_strided(x, shape=(2, 1, 30, 5), strides=(320, 0, 8, 8))
+    q = randn(rng, (2, 3, 6, 4))
+    assert not k.flags.writeable and v.strides[-2] == 8
+    out = attend(
+        q, k, v, return_lse=True,
+        **({"chunk_size": 7} if path == "chunked" else {"implementation": path}),
+    )  # fmt: skip
+    ref = oracle.attention(q, np.ascontiguousarray(k), np.ascontiguousarray(v))
+    check_against_oracle(BY_NAME["numpy"], "float64", q, (out[0], None, out[1]), ref)
+
+
+@requires_backend("numpy")
 def test_numpy_read_only_weights_and_dropout() -> None:
     """Read-only inputs on the paths that write the most (weights, dropout)."""
     rng = rng_for("hostile", "numpy-readonly")
