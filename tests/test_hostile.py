@@ -205,7 +205,11 @@ CATALOGUE: list[Bad] = [
     ),
     Bad(
         "q_torch_nested",
-        _with(q=lambda b: b.module.nested.nested_tensor([b.module.zeros(3, 4)] * 2)),
+        _with(
+            q=lambda b: b.module.nested.nested_tensor(
+                [b.module.zeros(3, 4)] * 2, layout=b.module.jagged
+            )
+        ),
         TypeError,
         ("q",),
         ("nested", "to_padded_tensor", "mask="),
@@ -474,6 +478,7 @@ def _raised_here(err: BaseException) -> bool:
     return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(PACKAGE_DIR)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 @pytest.mark.parametrize(("bk", "case"), _params())
 def test_catalogue(bk: Backend, case: Bad, entry: str) -> None:
