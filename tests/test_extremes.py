@@ -257,3 +257,31 @@ def test_65536_keys_chunked(backend: Backend, chunk_size: int) -> None:
     assert np.isneginf(ref[2][2])
     assert ref[1][0, 65000] > 0.5  # the late maximum dominates
     check_against_oracle(backend, "float64", q, (out, None, lse), ref)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_finfo_min_bias_is_finite(backend: Backend, float_dtype: str, path: str) -> None:
+    """The "most negative float" additive mask of many model codebases (``finfo.min`` of
+    the dtype) is a finite bias, not -inf, and every path treats it as the oracle does:
+    added in the compute dtype without overflowing to -inf, so a row whose bias is all
+    ``finfo.min`` is never an empty row (out 0). Such a row is the scores shifted by a
+    constant: unchanged attention where the shift keeps the scores (float16's -65504 in
+    float32), uniform weights where it absorbs them (float32, float64, bfloat16 minima).
+    Partially covered rows drop those keys. For empty rows pass -inf or a boolean mask."""
+    rng = rng_for("extremes", "finfo-min")
+    qn, kn, vn = (rng.standard_normal((1, 2, 4, 8)) for _ in range(3))
+    q, k, v = (backend.asarray(a, float_dtype) for a in (qn, kn, vn))
+    qn, kn, vn = (backend.to_numpy(a) for a in (q, k, v))
+    fmin = float(backend.xp.finfo(backend.dtype(float_dtype)).min)
+    bias_np = np.zeros((4, 4))
+    bias_np[1] = fmin  # every key at finfo.min: uniform weights
+    bias_np[2, :2] = fmin  # two keys pushed out
+    bias = backend.asarray(bias_np, float_dtype)
+    out, lse = _with_lse(backend, path, q, k, v, bias=bias)
+    ref = oracle.attention(qn, kn, vn, bias=bias_np)
+    assert np.all(np.isfinite(ref[2][0, :, 1]))  # row 1 has keys in the oracle too
+    check_against_oracle(backend, float_dtype, q, (out, None, None), ref)
+    if lse is not None:  # lse ~ finfo.min on row 1: relative comparison
+        lse_np = backend.to_numpy(lse)
+        assert np.all(np.isfinite(lse_np))
+        np.testing.assert_allclose(lse_np, ref[2], rtol=1e-5)
