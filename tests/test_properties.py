@@ -160,7 +160,7 @@ def test_rows_without_keys(backend: Backend, data: st.DataObject) -> None:
     out, _, lse = _call(case, arrays, path, return_lse=want_lse)
     ref_out, _, ref_lse = case.reference(backend, arrays)
     empty = _empty_rows(ref_lse)
-    assert case.dims.lq == 0 or case.dims.lk == 0 or empty.any(), "the strategy made no empty row"
+    assert empty.size == 0 or empty.any(), "the strategy made no empty row"
     out_np = backend.to_numpy(out)
     assert np.all(np.isfinite(out_np))
     assert np.all(out_np[empty] == 0)
@@ -325,7 +325,7 @@ def test_dropout_follows_the_rng(backend: Backend, data: st.DataObject) -> None:
     np.testing.assert_array_equal(first, again, err_msg="same rng, different dropout")
     _, ref_w, ref_lse = case.reference(backend, arrays)
     assert np.all(first[np.isneginf(ref_lse)] == 0)
-    if np.count_nonzero(ref_w > 1e-3) >= 32:
+    if case.dims.dv > 0 and np.count_nonzero(ref_w > 1e-3) >= 32:
         assert not np.array_equal(first, other), "another seed gave the same dropout"
 
 
