@@ -352,3 +352,26 @@ def test_empty_sequences_stay_on_the_autograd_graph(lq: int, lk: int, kwargs: di
     out.sum().backward()
     for x in (q, k, v):
         assert x.grad is not None and x.grad.shape == x.shape and bool(torch.all(x.grad == 0))
+
+
+@requires_backend("jax")
+def test_jax_fused_bias_row_of_neg_inf_has_zero_gradient() -> None:
+    """test_rows_without_keys on JAX, path "fused": a query row whose bias is all -inf gave
+    out 0 but dq NaN (jax.nn's softmax of a row of -inf is NaN; the repair's where passes
+    0 * NaN back). -inf bias entries now join jax.nn's boolean mask."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 4)), dtype=jnp.float32) for _ in range(3))
+    bias = jnp.asarray([[0.0, -np.inf], [-np.inf, -np.inf]], dtype=jnp.float32)
+    grads = {}
+    for impl in ("fused", "portable"):
+        out = attend(q, k, v, bias=bias, implementation=impl)
+        assert bool(jnp.all(out[:, 1] == 0))
+        loss = lambda a, b, c, impl=impl: jnp.sum(attend(a, b, c, bias=bias, implementation=impl))  # noqa: E731
+        grads[impl] = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g, want in zip(grads["fused"], grads["portable"], strict=True):
+        assert bool(jnp.all(jnp.isfinite(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert bool(jnp.all(grads["fused"][0][:, 1] == 0))

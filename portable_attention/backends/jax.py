@@ -119,6 +119,12 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     allowed, is_causal = _core.kernel_mask(call, mask, bias)
     allowed4 = None if allowed is None else _scores_operand(allowed, lead, batch)
     bias4 = None if bias is None else _scores_operand(bias, lead, batch)
+    if bias4 is not None:
+        # -inf bias entries join the mask: a row of -inf scores is NaN in jax.nn's softmax,
+        # and its gradient stays NaN through the repair below (0 * NaN).
+        finite = bias4 > -jnp.inf
+        allowed4 = finite if allowed4 is None else (allowed4 & finite)
+        bias4 = jnp.where(finite, bias4, 0)
     out = jax.nn.dot_product_attention(
         _to_btnh(q, batch),
         _to_btnh(k, batch),
@@ -130,9 +136,6 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
         implementation="cudnn" if _cudnn_qualifies(call, allowed, bias) else None,
     )
     out = jnp.swapaxes(out, 1, 2)  # [B, H, Lq, Dv]
-    if allowed4 is not None or bias4 is not None:
-        has_key = jnp.ones((1, 1, 1, 1), dtype=bool) if allowed4 is None else allowed4
-        if bias4 is not None:
-            has_key = has_key & (bias4 > -jnp.inf)
-        out = jnp.where(jnp.any(has_key, axis=-1, keepdims=True), out, 0)
+    if allowed4 is not None:
+        out = jnp.where(jnp.any(allowed4, axis=-1, keepdims=True), out, 0)
     return jnp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1]))
