@@ -365,12 +365,15 @@ def test_jax_fused_bias_row_of_neg_inf_has_zero_gradient() -> None:
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 4)), dtype=jnp.float32) for _ in range(3))
     bias = jnp.asarray([[0.0, -np.inf], [-np.inf, -np.inf]], dtype=jnp.float32)
+
+    def loss(a: Any, b: Any, c: Any, impl: str) -> Any:
+        return jnp.sum(attend(a, b, c, bias=bias, implementation=impl))
+
     grads = {}
     for impl in ("fused", "portable"):
         out = attend(q, k, v, bias=bias, implementation=impl)
         assert bool(jnp.all(out[:, 1] == 0))
-        loss = lambda a, b, c, impl=impl: jnp.sum(attend(a, b, c, bias=bias, implementation=impl))  # noqa: E731
-        grads[impl] = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        grads[impl] = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, impl)
     for g, want in zip(grads["fused"], grads["portable"], strict=True):
         assert bool(jnp.all(jnp.isfinite(g)))
         np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-6)
