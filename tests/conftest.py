@@ -43,10 +43,10 @@ from hypothesis import HealthCheck, settings
 ENV_VAR = "PORTABLE_ATTENTION_BACKENDS"
 
 # Hypothesis profiles (tests/test_properties.py): "ci" (the default) runs a fixed, derandomized
-# set of examples; HYPOTHESIS_PROFILE=thorough (nox -s properties) runs 6x as many, random.
+# set of examples; HYPOTHESIS_PROFILE=thorough (nox -s properties) runs 8x as many, random.
 settings.register_profile(
     "ci",
-    max_examples=40,
+    max_examples=30,
     derandomize=True,
     database=None,
     deadline=None,
@@ -59,7 +59,7 @@ settings.register_profile(
     ],
 )
 settings.register_profile(
-    "thorough", settings.get_profile("ci"), max_examples=250, derandomize=False
+    "thorough", settings.get_profile("ci"), max_examples=240, derandomize=False
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
