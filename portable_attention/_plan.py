@@ -42,7 +42,7 @@ class Plan:
 _cache: dict[tuple[Any, ...], Plan] = {}
 
 
-def _dense_bytes(call: Call) -> int:
+def dense_bytes(call: Call) -> int:
     itemsize = 4 if call.compute_dtype == call.xp.float32 else 8
     return math.prod(call.q_shape[:-1]) * call.k_shape[-2] * itemsize
 
@@ -52,7 +52,7 @@ def _portable(call: Call, why: str) -> Plan:
         return Plan(CHUNKED, f"{why}; chunk_size={call.chunk_size} asks for the chunked path")
     if call.return_weights:
         return Plan(PORTABLE, f"{why}; return_weights needs the whole score matrix")
-    if _dense_bytes(call) > DENSE_LIMIT_BYTES:
+    if dense_bytes(call) > DENSE_LIMIT_BYTES:
         return Plan(
             CHUNKED,
             f"{why}; the dense scores would take over {DENSE_LIMIT_BYTES >> 20} MiB, "
@@ -76,8 +76,11 @@ def _decide(call: Call, implementation: str) -> Plan:
     if why is None:
         return Plan(backend.PATH, backend.FUSED_WHY)
     native_reason = getattr(backend, "native_reason", None)
-    if implementation == "auto" and native_reason is not None and native_reason(call) is None:
-        return Plan(backend.NATIVE_PATH, f"{why}; {backend.NATIVE_WHY}")
+    if implementation == "auto" and native_reason is not None:
+        not_native = native_reason(call)
+        if not_native is None:
+            return Plan(backend.NATIVE_PATH, f"{why}; {backend.NATIVE_WHY}")
+        why = f"{why}; not {backend.NATIVE_PATH}: {not_native}"
     return _portable(call, why)
 
 
@@ -88,7 +91,7 @@ def choose(call: Call, implementation: str) -> Plan:
         str(call.device),
         str(call.dtype),
         call.options(),
-        _dense_bytes(call) > DENSE_LIMIT_BYTES,
+        dense_bytes(call) > DENSE_LIMIT_BYTES,
         implementation,
     )
     plan = _cache.get(key)

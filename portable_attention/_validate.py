@@ -72,7 +72,13 @@ class Call:
             self.q_shape[-2] != self.k_shape[-2],
             self.q_shape[-1] != self.v_shape[-1],
             0 in (self.q_shape[-2], self.k_shape[-2]),
+            self.q_shape[-2] >= LONG_QUERIES,
         )
+
+
+#: From this many query rows on, a kernel may split the queries into blocks (JAX on CPU);
+#: the plan cache tells the two sides apart.
+LONG_QUERIES = 512
 
 
 def _type_name(x: object) -> str:

@@ -348,3 +348,79 @@ def test_mask_builders_name_bad_arguments() -> None:
         masks.causal_mask(4, xp="numpy")
     with pytest.raises(ValueError, match="`q_segments`"):
         masks.segment_mask(np.array(1))
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize(
+    ("shape_q", "shape_kv", "kwargs"),
+    [
+        ((1, 4, 600, 16), (1, 2, 700, 16), {"causal": True}),  # GQA, Lq != Lk, tail rows
+        ((2, 2, 512, 8), (2, 2, 512, 8), {"window": (30, 5)}),  # exactly two blocks
+        ((600, 8), (640, 8), {"causal": "upper_left"}),  # 2-D inputs
+        ((1, 4, 520, 16), (1, 4, 520, 16), {"mask": "rows", "bias": "heads"}),
+        ((1, 2, 512, 8), (1, 2, 512, 8), {"mask": "keys", "softcap": 3.0}),
+    ],
+    ids=["gqa_causal_tail", "window_two_blocks", "two_d_upper_left", "mask_bias", "pad_softcap"],
+)
+def test_jax_native_query_blocks(shape_q: tuple, shape_kv: tuple, kwargs: dict) -> None:
+    """The query-blocked JAX kernel (CPU, Lq >= 512): oracle values and exact empty rows,
+    weights and lse too, the same under jit, and gradients equal to the dense path's."""
+    import jax
+    import jax.numpy as jnp
+
+    backend = BY_NAME["jax"]
+    rng = rng_for("jax-native", shape_q, shape_kv)
+    q64, k64, v64 = (randn(rng, s) for s in (shape_q, shape_kv, shape_kv))
+    lq, lk = shape_q[-2], shape_kv[-2]
+    np_kwargs = dict(kwargs)
+    if kwargs.get("mask") == "rows":
+        np_kwargs["mask"] = rng.random((lq, lk)) < 0.5
+        np_kwargs["mask"][[3, 517]] = False  # empty rows in a block and in the tail
+    if kwargs.get("mask") == "keys":
+        np_kwargs["mask"] = np.arange(lk) < lk - 100  # key padding, [Lk]
+    if kwargs.get("bias") == "heads":
+        np_kwargs["bias"] = randn(rng, (shape_q[-3], lq, lk)).astype(np.float32)
+    j_kwargs = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in np_kwargs.items()}
+    q, k, v = (backend.asarray(x, "float32") for x in (q64, k64, v64))
+
+    assert plan(q, k, v, **j_kwargs).path == "native:jax"
+    out, weights, lse = attend(q, k, v, return_weights=True, return_lse=True, **j_kwargs)
+    ref_out, ref_w, ref_lse = oracle.attention(q64, k64, v64, **np_kwargs)
+    assert_like(out, q, shape=ref_out.shape, dtype=jnp.float32, name="out")
+    assert_close(backend.to_numpy(out), ref_out, "float32")
+    assert_close(backend.to_numpy(weights), ref_w, "float32", what="weights")
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(backend.to_numpy(lse)), empty)
+    assert np.all(backend.to_numpy(out)[empty] == 0)
+    assert_close(backend.to_numpy(lse)[~empty], ref_lse[~empty], "float32", what="lse")
+
+    jitted = jax.jit(lambda a, b, c: attend(a, b, c, **j_kwargs))(q, k, v)
+    assert_close(backend.to_numpy(jitted), ref_out, "float32")
+
+    def loss(impl: str) -> Any:
+        return lambda a: jnp.sum(attend(a, k, v, implementation=impl, **j_kwargs) ** 2)
+
+    g_native = jax.jit(jax.grad(loss("auto")))(q)
+    g_dense = jax.jit(jax.grad(loss("portable")))(q)
+    assert bool(jnp.all(jnp.isfinite(g_native)))
+    np.testing.assert_allclose(
+        backend.to_numpy(g_native), backend.to_numpy(g_dense), rtol=1e-4, atol=1e-5
+    )
+
+
+@requires_backend("jax")
+def test_jax_native_under_vmap_and_below_two_blocks() -> None:
+    import jax
+
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (3, 2, 512, 8), (3, 2, 512, 8))
+    batched = jax.vmap(lambda a, b, c: attend(a, b, c, causal=True))(q, k, v)
+    assert_close(
+        backend.to_numpy(batched),
+        backend.to_numpy(attend(q, k, v, causal=True, implementation="portable")),
+        "float32",
+    )
+    short = _qkv(backend, (1, 2, 511, 8), (1, 2, 511, 8))
+    assert plan(*short).path == "portable"
+    assert "512 queries" in plan(*short).reason
+    assert plan(q, k, v, dropout=0.1, rng=jax.random.key(0)).path == "portable"

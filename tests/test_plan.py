@@ -111,8 +111,9 @@ def test_fused_raises_where_none_applies(backend: Backend) -> None:
         with pytest.raises(ValueError, match=r"`implementation\b") as info:
             attend(q, k, v, implementation="fused", **kwargs)
         if auto.path in PORTABLE_PATHS:
-            # the reason auto gives for not taking a fused kernel is the error's reason
-            assert auto.reason in str(info.value)
+            # the reason auto gives for not taking a fused kernel (its first clause; a
+            # native kernel's may follow) is the error's reason
+            assert auto.reason.split("; ")[0] in str(info.value)
         with pytest.raises(ValueError, match=r"`implementation\b"):
             plan(q, k, v, implementation="fused", **kwargs)
 
