@@ -28,7 +28,8 @@ class Plan:
     ----------
     path : str
         ``"fused:torch"``, ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's
-        fused kernel; ``"native:numpy"``: a NumPy-only blocked kernel; ``"portable"``:
+        fused kernel; ``"native:numpy"``: a NumPy-only blocked kernel; ``"native:jax"``:
+        the dense path on query blocks under ``lax.map`` (JAX on CPU); ``"portable"``:
         the array-API implementation with the whole score matrix;
         ``"portable:chunked"``: the array-API online softmax over key/query blocks.
     reason : str
