@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from portable_attention import attend, plan
 
@@ -112,14 +112,18 @@ def test_matches_the_oracle(backend: Backend, data: st.DataObject) -> None:
     dtype and shape too); the mask builders equal their NumPy definitions."""
     case = data.draw(cases(backend), label="case")
     path = data.draw(st.sampled_from(PATHS), label="path")
-    return_weights = path != "chunked" and data.draw(st.booleans(), label="return_weights")
-    return_lse = data.draw(st.booleans(), label="return_lse")
+    # (fused kernels return neither, so a fused draw asks for none: else it would never run)
+    asks = path != "fused"
+    return_weights = asks and path != "chunked" and data.draw(st.booleans(), label="weights")
+    return_lse = asks and data.draw(st.booleans(), label="return_lse")
     arrays = case.arrays(backend)
     flags = {"return_weights": return_weights, "return_lse": return_lse}
     path = _resolve(case, arrays, path, **flags)
+    q, k, v, mask, bias = arrays
+    kwargs = {**case.options(), **case.path_kwargs(path), **flags}
+    event(plan(q, k, v, mask=mask, bias=bias, **kwargs).path)  # --hypothesis-show-statistics
     result = _call(case, arrays, path, **flags)
     check_against_oracle(backend, case.dtype, arrays[0], result, case.reference(backend, arrays))
-    mask = arrays[3]
     if mask is not None:
         full = case.dims.score_shape
         built = np.broadcast_to(backend.to_numpy(mask), full)
@@ -142,6 +146,7 @@ def test_paths_agree(backend: Backend, data: st.DataObject) -> None:
     }
     if _fused_runs(case, arrays):
         others["fused"] = _call(case, arrays, "fused")
+    event(f"fused kernel ran: {'fused' in others}")  # --hypothesis-show-statistics
     for name, (o, _, other_lse) in others.items():
         assert_like(o, arrays[0], shape=case.dims.out_shape, dtype=out.dtype, name=name)
         o_np = backend.to_numpy(o)
