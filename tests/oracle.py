@@ -109,7 +109,7 @@ def attention(
     # Stable softmax, row by row over the last axis; rows with no key are written as 0 / -inf.
     any_key = keep.any(axis=-1, keepdims=True)
     masked_scores = np.where(keep, scores, -np.inf)
-    row_max = np.where(any_key, masked_scores.max(axis=-1, keepdims=True), 0.0)
+    row_max = np.where(any_key, masked_scores.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
     exp = np.where(keep, np.exp(np.where(keep, scores, 0.0) - row_max), 0.0)
     denom = exp.sum(axis=-1, keepdims=True)
     weights = np.where(any_key, exp / np.where(any_key, denom, 1.0), 0.0)

@@ -36,11 +36,10 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from portable_attention import attend, plan
 
-from strategies import PATHS, Case, cases
-
 import oracle
 from conftest import TOLERANCES, Backend, requires_backend
 from helpers import assert_close, assert_like, check_against_oracle
+from strategies import PATHS, Case, cases
 
 Result = tuple[Any, Any, Any]
 
