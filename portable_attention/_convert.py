@@ -18,8 +18,9 @@ import importlib
 import re
 from typing import Any
 
-import array_api_compat
 import numpy as np
+
+from portable_attention._validate import backend_name
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "cupy", "array_api_strict")
 """Every name :func:`to_backend` knows, in the order :func:`available_backends` lists them."""
@@ -50,16 +51,9 @@ def source_framework(x: object) -> str:
             f"{_type_name(x)}; make an array of it first, e.g. `numpy.asarray(x)`."
         )
         raise TypeError(msg)
-    if array_api_compat.is_numpy_array(x):
-        return "numpy"
-    if array_api_compat.is_torch_array(x):
-        return "torch"
-    if array_api_compat.is_jax_array(x):
-        return "jax"
-    if array_api_compat.is_cupy_array(x):
-        return "cupy"
-    if type(x).__module__.split(".")[0] == "array_api_strict":
-        return "array_api_strict"
+    name = backend_name(x)
+    if name in ("numpy", "torch", "jax", "cupy", "array_api_strict"):
+        return name
     if hasattr(x, "__dlpack__"):
         return "dlpack"
     msg = (

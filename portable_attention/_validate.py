@@ -111,7 +111,7 @@ def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
     except TypeError as err:  # an array type array-api-compat cannot wrap
         msg = f"`{name}` of type {_type_name(x)} is not a supported array type: {err}"
         raise TypeError(msg) from None
-    backend = _backend_name(x)
+    backend = backend_name(x)
     if backend == "torch":
         global _torch_strided
         _torch_strided = sys.modules["torch"].strided
@@ -184,7 +184,8 @@ def _namespace_of(name: str, x: object) -> Any:
     return _type_info(name, x)[0]
 
 
-def _backend_name(x: object) -> str:
+def backend_name(x: object) -> str:
+    """The framework of array ``x``: numpy, torch, jax, cupy, else its top-level module."""
     if array_api_compat.is_numpy_array(x):
         return "numpy"
     if array_api_compat.is_torch_array(x):
