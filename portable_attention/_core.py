@@ -71,15 +71,17 @@ def operands(call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Operan
     hk = k.shape[-3]
     group = q.shape[-3] // hk
     ndim = q.ndim
-    qc = xp.astype(q, ct, copy=False) * call.scale
+    if q.dtype != ct:  # half precision: computed in float32 (the check saves a call)
+        q, k, v = (xp.astype(x, ct) for x in (q, k, v))
+    qc = q * call.scale
     if bias is not None:
         bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct, copy=False)
     if mask is not None:
         mask = _group_scores_operand(xp, mask, ndim, hk, group)
     return Operands(
         q=_group_heads(xp, qc, hk, group, kv=False),
-        k=_group_heads(xp, xp.astype(k, ct, copy=False), hk, group, kv=True),
-        v=_group_heads(xp, xp.astype(v, ct, copy=False), hk, group, kv=True),
+        k=_group_heads(xp, k, hk, group, kv=True),
+        v=_group_heads(xp, v, hk, group, kv=True),
         mask=mask,
         bias=bias,
     )

@@ -173,8 +173,8 @@ def _block(
     if allowed is not None:
         np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
     m = s.max(axis=-1, keepdims=True)
-    finite = np.isfinite(m)
-    m[~finite] = 0.0
+    # Rows with no key (max -inf) subtract a finite number instead: their exps are 0.
+    np.maximum(m, np.finfo(m.dtype).min, out=m)
     np.subtract(s, m, out=s)
     np.exp(s, out=s)
     if v_sum is not None:
