@@ -26,6 +26,11 @@ KeepMask = Callable[[tuple[int, ...]], Any]
 #: Score-block budget of the chunked path, in elements over all batch and head dims.
 CHUNK_BUDGET = 1 << 23
 
+#: ``q @ k^T`` per framework where an adapter has a faster formulation than
+#: ``matmul(q, matrix_transpose(k))`` (JAX: an einsum, which XLA's CPU backend runs
+#: without materialising the transpose). Filled by the adapters when they load.
+SCORES: dict[str, Callable[[Any, Any], Any]] = {}
+
 
 @dataclass(frozen=True)
 class Operands:
@@ -162,7 +167,8 @@ def _masked_scores(
     xp = call.xp
     qb = ops.q if whole else ops.q[..., rows[0] : rows[1], :]
     kb = ops.k if whole else ops.k[..., cols[0] : cols[1], :]
-    s = xp.matmul(qb, xp.matrix_transpose(kb))
+    scores = SCORES.get(call.backend)
+    s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
     if call.softcap is not None:
         s = call.softcap * xp.tanh(s / call.softcap)
     if ops.bias is not None:
