@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_attention import _validate
 from portable_attention._validate import backend_name
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "cupy", "array_api_strict")
@@ -31,11 +32,6 @@ _ML_DTYPES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uin
 _DLPACK_ERRORS = (BufferError, RuntimeError, TypeError, ValueError, AttributeError)
 
 
-def _type_name(x: object) -> str:
-    t = type(x)
-    return f"{t.__module__}.{t.__qualname__}"
-
-
 # -- which framework an array comes from -------------------------------------------------------
 
 
@@ -45,22 +41,13 @@ def source_framework(x: object) -> str:
     ``"dlpack"`` is any other object with ``__dlpack__`` (another array-API library).
     Python scalars, lists and tuples are not arrays: a ``TypeError``.
     """
-    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, list, tuple, dict)):
-        msg = (
-            f"`x` must be an array (NumPy, PyTorch, JAX, CuPy or array_api_strict), got "
-            f"{_type_name(x)}; make an array of it first, e.g. `numpy.asarray(x)`."
-        )
-        raise TypeError(msg)
+    _validate.check_convertible(x)
     name = backend_name(x)
     if name in ("numpy", "torch", "jax", "cupy", "array_api_strict"):
         return name
     if hasattr(x, "__dlpack__"):
         return "dlpack"
-    msg = (
-        f"`x` must be an array (NumPy, PyTorch, JAX, CuPy, array_api_strict or any array "
-        f"with `__dlpack__`), got {_type_name(x)}."
-    )
-    raise TypeError(msg)
+    raise _validate.unknown_array_error(x)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -78,20 +65,10 @@ def dtype_name(dtype: Any) -> str:
 
 # -- importing the target ------------------------------------------------------------------------
 
-_INSTALL = {
-    "numpy": "pip install numpy",
-    "torch": "pip install torch",
-    "jax": "pip install jax",
-    "cupy": "pip install cupy-cuda12x (or the build for your CUDA)",
-    "array_api_strict": "pip install array-api-strict",
-}
-
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or name not in BACKEND_NAMES:
-        msg = f"`name` must be one of {', '.join(map(repr, BACKEND_NAMES))}, got {name!r}."
-        raise ValueError(msg)
-    return name
+    """``name`` of :func:`to_backend`: one of :data:`BACKEND_NAMES`."""
+    return _validate.check_backend_name(name, BACKEND_NAMES)
 
 
 def _import(name: str) -> Any:
@@ -102,11 +79,7 @@ def _import(name: str) -> Any:
             return importlib.import_module("jax.numpy")
         return importlib.import_module(name)
     except Exception as err:  # ImportError, or a broken install failing at import
-        msg = (
-            f"`name`={name!r}, but {name} does not import here ({err!r}); install it "
-            f"({_INSTALL[name]}) or pick one of available_backends()."
-        )
-        raise ValueError(msg) from err
+        raise _validate.backend_import_error(name, err) from err
 
 
 def _cupy_has_gpu(cupy: Any) -> bool:
@@ -148,14 +121,8 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda|gpu|rocm|tpu)(?::(\d+))?$")
 def _parse_device(device: str) -> tuple[str, int]:
     match = _DEVICE_RE.match(device.strip().lower())
     if match is None:
-        msg = f"`device` must be a device string like 'cpu', 'cuda' or 'cuda:1', got {device!r}."
-        raise ValueError(msg)
+        raise _validate.device_string_error(device)
     return match.group(1), int(match.group(2) or 0)
-
-
-def _bad_device(name: str, device: object, what: str) -> ValueError:
-    msg = f"`device`={device!r} is not a device for name={name!r}: {what}."
-    return ValueError(msg)
 
 
 def _target_device(name: str, device: object, module: Any) -> Any:
@@ -170,34 +137,34 @@ def _target_device(name: str, device: object, module: Any) -> Any:
             try:
                 return torch.device(device)
             except (RuntimeError, ValueError, TypeError) as err:
-                raise _bad_device(name, device, str(err)) from None
-        raise _bad_device(name, device, "pass a string like 'cpu' or 'cuda:1'")
+                raise _validate.bad_device_error(name, device, str(err)) from None
+        raise _validate.bad_device_error(name, device)
     if name == "jax":
         import jax
 
         if isinstance(device, jax.Device):
             return device
         if not isinstance(device, str):
-            raise _bad_device(name, device, "pass a string like 'cpu' or 'cuda:1'")
+            raise _validate.bad_device_error(name, device)
         kind, index = _parse_device(device)
         platform = "gpu" if kind in ("cuda", "rocm") else kind
         try:
             devices = jax.devices(platform)
         except RuntimeError as err:
-            raise _bad_device(name, device, f"JAX has no {platform!r} devices ({err})") from None
+            raise _validate.jax_platform_error(device, platform, err) from None
         if index >= len(devices):
-            raise _bad_device(name, device, f"JAX has {len(devices)} {platform} device(s)")
+            raise _validate.jax_device_index_error(device, platform, len(devices))
         return devices[index]
     if name == "numpy":
         if isinstance(device, str) and device.strip().lower() == "cpu":
             return None
-        raise _bad_device(name, device, "NumPy arrays live on the CPU; pass 'cpu' or None")
+        raise _validate.bad_device_error(name, device)
     if name == "array_api_strict":
         if isinstance(device, module.Device):
             return device
         if isinstance(device, str) and device.strip().lower() == "cpu":
             return module.Device("CPU_DEVICE")
-        raise _bad_device(name, device, "pass 'cpu' or an array_api_strict.Device")
+        raise _validate.bad_device_error(name, device)
     # cupy
     if isinstance(device, module.cuda.Device):
         return int(device.id)
@@ -205,7 +172,7 @@ def _target_device(name: str, device: object, module: Any) -> Any:
         kind, index = _parse_device(device)
         if kind in ("cuda", "gpu", "rocm"):
             return index
-    raise _bad_device(name, device, "CuPy arrays live on a GPU; pass 'cuda' or 'cuda:N'")
+    raise _validate.bad_device_error(name, device)
 
 
 # -- to NumPy ----------------------------------------------------------------------------------
@@ -215,12 +182,7 @@ def _ml_dtype(name: str, framework: str) -> Any:
     try:
         import ml_dtypes
     except ImportError:
-        msg = (
-            f"`x` has dtype {name}, which NumPy has only through the ml_dtypes package: "
-            f"install it (pip install ml_dtypes; it comes with jax) to convert {framework} "
-            f"{name} arrays to NumPy, or cast `x` to float32 first."
-        )
-        raise TypeError(msg) from None
+        raise _validate.ml_dtypes_missing_error(name, framework) from None
     return np.dtype(getattr(ml_dtypes, name))
 
 
@@ -269,8 +231,7 @@ def _numpy_from(x: Any, src: str) -> np.ndarray:
     try:
         return np.from_dlpack(x)
     except _DLPACK_ERRORS as err:
-        msg = f"`x` of type {_type_name(x)} cannot be converted to NumPy by DLPack: {err}"
-        raise TypeError(msg) from None
+        raise _validate.dlpack_to_numpy_error(x, err) from None
 
 
 # -- to each framework -------------------------------------------------------------------------
@@ -349,8 +310,7 @@ def _to_cupy(x: Any, src: str, cupy: Any) -> Any:
             pass
     name = dtype_name(getattr(x, "dtype", None))
     if name in _ML_DTYPES:
-        msg = f"`x` has dtype {name}, which CuPy does not have; cast it to float32 first."
-        raise TypeError(msg)
+        raise _validate.cupy_dtype_error(name)
     return cupy.asarray(_native(_numpy_from(x, src)))
 
 
@@ -362,11 +322,7 @@ def _to_strict(x: Any, src: str, xs: Any) -> Any:
     if a is not None:
         name = a.dtype.name
     if a is None or not hasattr(xs, name):
-        msg = (
-            f"`x` has dtype {name}, which array_api_strict does not have; cast it "
-            "to float32 first (or compare 16-bit floats on numpy, torch and jax)."
-        )
-        raise TypeError(msg)
+        raise _validate.strict_dtype_error(name)
     try:
         return xs.from_dlpack(a)
     except _DLPACK_ERRORS:
@@ -389,7 +345,7 @@ def _place(out: Any, name: str, device: Any, module: Any, asked: object) -> Any:
             with module.cuda.Device(device):
                 return module.asarray(out)  # copies across GPUs; a no-op on the same one
     except Exception as err:  # e.g. torch without CUDA: an AssertionError from deep inside
-        raise _bad_device(name, asked, f"{type(err).__name__}: {err}") from err
+        raise _validate.device_placement_error(name, asked, err) from err
     return out
 
 
@@ -400,12 +356,7 @@ def _check_jax_x64(x: Any) -> None:
     if dtype is None or jax.config.read("jax_enable_x64"):
         return
     if dtype_name(dtype) in ("float64", "int64", "uint64", "complex128"):
-        msg = (
-            f"`x` has dtype {dtype_name(dtype)}, but JAX runs without 64-bit types and would "
-            "silently make it 32-bit: enable them with "
-            "`jax.config.update('jax_enable_x64', True)` at startup, or cast `x` first."
-        )
-        raise TypeError(msg)
+        raise _validate.jax_x64_error(dtype_name(dtype))
 
 
 _CONVERTERS = {"torch": _to_torch, "jax": _to_jax, "cupy": _to_cupy, "array_api_strict": _to_strict}
@@ -474,19 +425,12 @@ def to_backend(x: Any, name: str, device: Any = None) -> Any:
         if str(err).startswith("`x`"):  # ours, already saying what to do
             raise
         dtype = dtype_name(getattr(x, "dtype", None))
-        msg = (
-            f"cannot convert `x` ({src} array of dtype {dtype}, shape "
-            f"{tuple(getattr(x, 'shape', ()))}) to {name}: {type(err).__name__}: {err}"
-        )
-        raise TypeError(msg) from err
+        shape = tuple(getattr(x, "shape", ()))
+        raise _validate.conversion_error(src, dtype, shape, name, err) from err
     out = _place(out, name, target_device, module, device)
     before, after = dtype_name(getattr(x, "dtype", None)), dtype_name(out.dtype)
     if before not in ("None", after):
-        msg = (
-            f"converting `x` of dtype {before} to {name} gave dtype {after}; the "
-            "conversion must keep the dtype: cast `x` to a dtype both frameworks have."
-        )
-        raise TypeError(msg)
+        raise _validate.dtype_changed_error(before, name, after)
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from portable_attention import _cases, attend, plan
 from portable_attention._cases import Array, Case
+from portable_attention._validate import check_cli_names
 
 #: (rtol, atol) by dtype: a result agrees where ``|x - ref| <= atol + rtol * |ref|``.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -490,17 +491,6 @@ def _package_version() -> str:
     return __version__
 
 
-def _names(text: str, known: Sequence[str], what: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        msg = (
-            f"--{what} {text!r}: unknown {what} {unknown or text!r}; choose from {', '.join(known)}"
-        )
-        raise argparse.ArgumentTypeError(msg)
-    return names
-
-
 def parser() -> argparse.ArgumentParser:
     """The report's command-line options (also the help of ``python -m portable_attention``)."""
     p = argparse.ArgumentParser(
@@ -584,13 +574,21 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
     case_names = [c.name for c in battery]
     try:
         if args.cases:
-            chosen = _names(args.cases, case_names, "cases")
+            chosen = check_cli_names(args.cases, case_names, "cases")
             battery = [c for c in battery if c.name in chosen]
         if args.plot and args.plot_case not in case_names:
-            _names(args.plot_case, case_names, "plot-case")
-        devices = _names(args.devices, DEVICES, "devices") if args.devices else list(DEVICES)
-        dtypes = _names(args.dtypes, list(TOLERANCES), "dtypes") if args.dtypes else TOLERANCES
-        backends = _names(args.backends, list(DTYPES), "backends") if args.backends else installed()
+            check_cli_names(args.plot_case, case_names, "plot-case")
+        devices = (
+            check_cli_names(args.devices, DEVICES, "devices") if args.devices else list(DEVICES)
+        )
+        dtypes = (
+            check_cli_names(args.dtypes, list(TOLERANCES), "dtypes") if args.dtypes else TOLERANCES
+        )
+        backends = (
+            check_cli_names(args.backends, list(DTYPES), "backends")
+            if args.backends
+            else installed()
+        )
     except argparse.ArgumentTypeError as exc:
         return fail(str(exc))
     missing = [b for b in backends if importlib.util.find_spec(b) is None]

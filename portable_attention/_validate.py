@@ -771,3 +771,415 @@ def check_mask_shapes(name_a: str, a: Any, name_b: str, b: Any, axes: str) -> No
     if _shape(a)[:-1] != _shape(b)[:-1]:
         msg = f"`{name_a}` {_shape(a)} and `{name_b}` {_shape(b)} must have the same {axes}."
         raise ValueError(msg)
+
+
+# -- Checks and messages of the helpers: conversions, plot, testing, report, transformers ---------
+# integration. The modules call these functions (a check raises; a `..._error` function builds
+# the exception for the caller to raise, with its own `from` chaining).
+
+# conversions (portable_attention._convert: to_backend and its helpers)
+
+#: How to install each framework to_backend converts to (in its import error).
+_INSTALL = {
+    "numpy": "pip install numpy",
+    "torch": "pip install torch",
+    "jax": "pip install jax",
+    "cupy": "pip install cupy-cuda12x (or the build for your CUDA)",
+    "array_api_strict": "pip install array-api-strict",
+}
+
+#: What ``device=`` of to_backend takes, per target framework.
+_DEVICE_HINTS = {
+    "torch": "pass a string like 'cpu' or 'cuda:1'",
+    "jax": "pass a string like 'cpu' or 'cuda:1'",
+    "numpy": "NumPy arrays live on the CPU; pass 'cpu' or None",
+    "array_api_strict": "pass 'cpu' or an array_api_strict.Device",
+    "cupy": "CuPy arrays live on a GPU; pass 'cuda' or 'cuda:N'",
+}
+
+
+def check_convertible(x: object) -> None:
+    """``x`` of ``to_backend``: None, Python scalars, strings and containers are not arrays."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, list, tuple, dict)):
+        msg = (
+            f"`x` must be an array (NumPy, PyTorch, JAX, CuPy or array_api_strict), got "
+            f"{_type_name(x)}; make an array of it first, e.g. `numpy.asarray(x)`."
+        )
+        raise TypeError(msg)
+
+
+def unknown_array_error(x: object) -> TypeError:
+    """The error for an ``x`` of no known framework and without ``__dlpack__``."""
+    msg = (
+        f"`x` must be an array (NumPy, PyTorch, JAX, CuPy, array_api_strict or any array "
+        f"with `__dlpack__`), got {_type_name(x)}."
+    )
+    return TypeError(msg)
+
+
+def check_backend_name(name: object, known: Sequence[str]) -> str:
+    """A target framework's ``name``: one of ``known``."""
+    if not isinstance(name, str) or name not in known:
+        msg = f"`name` must be one of {', '.join(map(repr, known))}, got {name!r}."
+        raise ValueError(msg)
+    return name
+
+
+def backend_import_error(name: str, err: BaseException) -> ValueError:
+    """The error for a target framework that does not import."""
+    msg = (
+        f"`name`={name!r}, but {name} does not import here ({err!r}); install it "
+        f"({_INSTALL[name]}) or pick one of available_backends()."
+    )
+    return ValueError(msg)
+
+
+def device_string_error(device: object) -> ValueError:
+    """The error for a ``device`` string that names no device."""
+    msg = f"`device` must be a device string like 'cpu', 'cuda' or 'cuda:1', got {device!r}."
+    return ValueError(msg)
+
+
+def bad_device_error(name: str, device: object, what: str | None = None) -> ValueError:
+    """The error for a ``device`` the target ``name`` cannot use: ``what`` is wrong (by
+    default, what that target takes)."""
+    why = _DEVICE_HINTS[name] if what is None else what
+    msg = f"`device`={device!r} is not a device for name={name!r}: {why}."
+    return ValueError(msg)
+
+
+def jax_platform_error(device: object, platform: str, err: BaseException) -> ValueError:
+    """The error for a ``device`` on a platform JAX has no devices of."""
+    return bad_device_error("jax", device, f"JAX has no {platform!r} devices ({err})")
+
+
+def jax_device_index_error(device: object, platform: str, count: int) -> ValueError:
+    """The error for a ``device`` index beyond JAX's devices of that platform."""
+    return bad_device_error("jax", device, f"JAX has {count} {platform} device(s)")
+
+
+def device_placement_error(name: str, device: object, err: BaseException) -> ValueError:
+    """The error for a result that the target framework cannot move to ``device``."""
+    return bad_device_error(name, device, f"{type(err).__name__}: {err}")
+
+
+def ml_dtypes_missing_error(dtype: str, framework: str) -> TypeError:
+    """The error for a dtype NumPy has only through ml_dtypes, which is not installed."""
+    msg = (
+        f"`x` has dtype {dtype}, which NumPy has only through the ml_dtypes package: "
+        f"install it (pip install ml_dtypes; it comes with jax) to convert {framework} "
+        f"{dtype} arrays to NumPy, or cast `x` to float32 first."
+    )
+    return TypeError(msg)
+
+
+def dlpack_to_numpy_error(x: object, err: BaseException) -> TypeError:
+    """The error for an array of another library that DLPack cannot bring to NumPy."""
+    msg = f"`x` of type {_type_name(x)} cannot be converted to NumPy by DLPack: {err}"
+    return TypeError(msg)
+
+
+def cupy_dtype_error(dtype: str) -> TypeError:
+    """The error for a dtype CuPy lacks (bfloat16, float8)."""
+    msg = f"`x` has dtype {dtype}, which CuPy does not have; cast it to float32 first."
+    return TypeError(msg)
+
+
+def strict_dtype_error(dtype: str) -> TypeError:
+    """The error for a dtype array_api_strict lacks (the 16-bit floats, float8)."""
+    msg = (
+        f"`x` has dtype {dtype}, which array_api_strict does not have; cast it "
+        "to float32 first (or compare 16-bit floats on numpy, torch and jax)."
+    )
+    return TypeError(msg)
+
+
+def jax_x64_error(dtype: str) -> TypeError:
+    """The error for a 64-bit dtype going to JAX without ``jax_enable_x64``."""
+    msg = (
+        f"`x` has dtype {dtype}, but JAX runs without 64-bit types and would "
+        "silently make it 32-bit: enable them with "
+        "`jax.config.update('jax_enable_x64', True)` at startup, or cast `x` first."
+    )
+    return TypeError(msg)
+
+
+def conversion_error(
+    src: str, dtype: str, shape: tuple[int, ...], name: str, err: BaseException
+) -> TypeError:
+    """The error for a conversion the frameworks refused (their error appended)."""
+    msg = (
+        f"cannot convert `x` ({src} array of dtype {dtype}, shape "
+        f"{shape}) to {name}: {type(err).__name__}: {err}"
+    )
+    return TypeError(msg)
+
+
+def dtype_changed_error(before: str, name: str, after: str) -> TypeError:
+    """The error for a conversion that would change the dtype."""
+    msg = (
+        f"converting `x` of dtype {before} to {name} gave dtype {after}; the "
+        "conversion must keep the dtype: cast `x` to a dtype both frameworks have."
+    )
+    return TypeError(msg)
+
+
+# plot (portable_attention.plot: heatmap and side_by_side)
+
+
+def matplotlib_missing_error() -> ImportError:
+    """The error of ``portable_attention.plot`` without matplotlib."""
+    msg = (
+        "portable_attention.plot needs matplotlib, which is not installed: "
+        "pip install 'portable-attention[plot]' (or pip install matplotlib)"
+    )
+    return ImportError(msg)
+
+
+def weights_type_error(name: str, weights: object, err: BaseException) -> TypeError:
+    """The error for weights that cannot be converted to NumPy."""
+    msg = f"`{name}` must be an array of weights [..., Lq, Lk], got {type(weights).__name__}: {err}"
+    return TypeError(msg)
+
+
+def real_weights_error(name: str, dtype: object) -> TypeError:
+    """The error for weights that do not hold real numbers."""
+    msg = f"`{name}` must hold real numbers, got dtype {dtype}"
+    return TypeError(msg)
+
+
+def check_weights_shape(name: str, shape: tuple[int, ...]) -> None:
+    """Weights to draw: at least ``[Lq, Lk]``, neither of them 0."""
+    if len(shape) < 2:
+        msg = f"`{name}` must have at least 2 dimensions [..., Lq, Lk], got shape {list(shape)}"
+        raise ValueError(msg)
+    if shape[-1] == 0 or shape[-2] == 0:
+        msg = f"`{name}` of shape {list(shape)} has no query or no key to draw"
+        raise ValueError(msg)
+
+
+def check_labels(labels: Sequence[Any] | None, n: int, name: str, axis: str) -> None:
+    """Tick labels: one per query (``axis="queries"``) or key (``axis="keys"``), or None."""
+    if labels is not None and len(labels) != n:
+        msg = (
+            f"`{name}` has {len(labels)} labels but the weights have {n} {axis} "
+            f"(axis {'-2' if axis == 'queries' else '-1'}); pass one label per {axis[:-1]}"
+        )
+        raise ValueError(msg)
+
+
+def check_head(head: object, shape: tuple[int, ...]) -> int | tuple[Any, ...]:
+    """``head=`` of the plots: weights of ``shape`` with leading axes, an int or a tuple
+    (returned; :func:`check_head_index` checks that it is in range)."""
+    if not shape[:-2]:
+        msg = f"`head` needs weights with leading (head) axes; these are 2-D {list(shape)}"
+        raise ValueError(msg)
+    if isinstance(head, bool) or not isinstance(head, int | tuple):
+        msg = f"`head` must be an int or a tuple of ints, got {head!r}"
+        raise TypeError(msg)
+    return head
+
+
+def check_head_index(head: int | tuple[Any, ...], shape: tuple[int, ...]) -> None:
+    """``head=`` (after :func:`check_head`) indexes the leading axes of ``shape``."""
+    lead = shape[:-2]
+    panels = math.prod(lead)
+    if isinstance(head, int):
+        if not -panels <= head < panels:
+            msg = (
+                f"`head={head}` is out of range for weights {list(shape)}: "
+                f"{panels} panels over the leading axes {list(lead)}"
+            )
+            raise ValueError(msg)
+    elif len(head) != len(lead) or not all(
+        isinstance(i, int) and -n <= i < n for i, n in zip(head, lead, strict=False)
+    ):
+        msg = (
+            f"`head={head}` does not index the leading axes {list(lead)} of weights "
+            f"{list(shape)}; pass one int per leading axis"
+        )
+        raise ValueError(msg)
+
+
+def check_grid(shape: tuple[int, ...], ax: object, max_panels: int) -> None:
+    """A grid of every head of weights ``shape``: no ``ax=``, at most ``max_panels``."""
+    n = math.prod(shape[:-2])
+    if ax is not None:
+        msg = (
+            f"`ax` takes one heatmap, but weights {list(shape)} with head=None draw a grid "
+            f"of {n} heads; pass head=... to draw one, or fig=..."
+        )
+        raise ValueError(msg)
+    if n > max_panels:
+        msg = (
+            f"weights {list(shape)} have {n} heads, more than {max_panels} panels; "
+            "pass `head=` to draw one (or slice the weights first)"
+        )
+        raise ValueError(msg)
+
+
+def check_any_weights(weights: object) -> None:
+    """``weights`` of ``side_by_side``: not empty."""
+    if not weights:
+        msg = "`weights` is empty: pass a mapping of panel title -> weights array"
+        raise ValueError(msg)
+
+
+def check_side_panel(name: object, shape: tuple[int, ...], head: object) -> None:
+    """One entry of ``side_by_side``: weights with leading axes need ``head=``."""
+    if len(shape) > 2 and head is None:
+        msg = (
+            f"`weights[{name!r}]` has shape {list(shape)}: pass `head=` to pick one [Lq, Lk] panel"
+        )
+        raise ValueError(msg)
+
+
+def check_same_shapes(shapes: dict[str, tuple[int, ...]]) -> None:
+    """The panels of ``side_by_side``: all of one shape."""
+    if len(set(shapes.values())) > 1:
+        msg = f"`weights` must all have one shape, got {shapes}"
+        raise ValueError(msg)
+
+
+# testing (portable_attention.testing: tolerance, assert_backends_agree, ArrayBackend, plugin)
+
+
+def no_tolerance_error(dtype: object, known: Sequence[str]) -> ValueError:
+    """The error of ``tolerance`` for a dtype without a default tolerance."""
+    msg = (
+        f"`dtype` {dtype!r} has no default tolerance (known: "
+        f"{', '.join(known)}); pass `rtol` and `atol` explicitly."
+    )
+    return ValueError(msg)
+
+
+def backends_type_error(backends: object) -> TypeError:
+    """The error for ``backends=`` that is not a sequence of names."""
+    msg = (
+        f"`backends` must be a sequence of backend names like ('numpy', 'torch'), got {backends!r}."
+    )
+    return TypeError(msg)
+
+
+def no_backends_error() -> ValueError:
+    """The error for an empty ``backends=``."""
+    msg = "`backends` is empty: name at least one backend, e.g. ('numpy', 'torch')."
+    return ValueError(msg)
+
+
+def unusable_backend_error(name: str, err: BaseException) -> ValueError:
+    """The error for a name in ``backends=`` that is unknown or does not import."""
+    msg = f"`backends` has {name!r}: {err}"
+    return ValueError(msg)
+
+
+def dtype_name_error(name: object) -> ValueError:
+    """The error of ``ArrayBackend.asarray`` for a ``dtype`` that names no dtype."""
+    msg = f"`dtype` must be a dtype name like 'float32' or 'bfloat16', got {name!r}."
+    return ValueError(msg)
+
+
+# The pytest plugin raises pytest.UsageError (pytest is not imported here): messages only.
+
+
+def no_backend_selected_message(source: str, raw: str, known: Sequence[str]) -> str:
+    """``--array-backends`` (or its variable, ``source``) naming no backend."""
+    return f"{source}={raw!r} names no backend; known: {', '.join(known)}."
+
+
+def unusable_backend_message(source: str, raw: str, name: str, err: BaseException) -> str:
+    """A backend the selection asks for that is unknown or does not import."""
+    return f"{source}={raw!r} requests backend {name!r}, which is not usable: {err}"
+
+
+def cupy_without_gpu_message(source: str, raw: str) -> str:
+    """The selection asks for cupy where CuPy finds no GPU."""
+    return f"{source}={raw!r} requests backend 'cupy', but CuPy finds no GPU here."
+
+
+def indirect_array_backend_message() -> str:
+    """The ``array_backend`` fixture requested without the plugin's parametrization."""
+    return "`array_backend` is parametrized by the plugin; do not request it indirectly."
+
+
+# report (python -m portable_attention: the argparse type check of its comma lists)
+
+
+def check_cli_names(text: str, known: Sequence[str], what: str) -> list[str]:
+    """The names of a comma list option ``--what``, each one of ``known``; else the
+    ``argparse.ArgumentTypeError`` the report turns into a usage error."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        import argparse  # only the command line gets here: the library does not import it
+
+        msg = (
+            f"--{what} {text!r}: unknown {what} {unknown or text!r}; choose from {', '.join(known)}"
+        )
+        raise argparse.ArgumentTypeError(msg)
+    return names
+
+
+# transformers integration (portable_attention.integrations.transformers)
+
+#: transformers' own attn_implementation names, which ``register`` must not replace.
+_TRANSFORMERS_BUILTIN = frozenset({"eager", "sdpa", "flex_attention", "paged|eager"})
+
+
+def transformers_missing_error() -> ImportError:
+    """The error of ``register`` without transformers."""
+    msg = (
+        "`register` needs Hugging Face transformers (>= 4.48): "
+        "pip install 'portable-attention[transformers]'"
+    )
+    return ImportError(msg)
+
+
+def check_attn_implementation(name: object) -> None:
+    """``name`` of ``register``: a new, non-empty string, none of transformers' own."""
+    if not isinstance(name, str) or not name or name in _TRANSFORMERS_BUILTIN or "flash" in name:
+        msg = (
+            f"`name` must be a new, non-empty attn_implementation string such as 'portable', "
+            f"got {name!r} (transformers' own implementations cannot be replaced)."
+        )
+        raise ValueError(msg)
+
+
+def attention_mask_dtype_error(dtype: object) -> TypeError:
+    """The error for an ``attention_mask`` neither boolean nor floating."""
+    msg = (
+        f"`attention_mask` must be boolean (True = may attend) or an additive float "
+        f"mask, got dtype {dtype}; convert it with `.bool()` if its "
+        "nonzero entries mean 'attend'."
+    )
+    return TypeError(msg)
+
+
+def check_sliding_window(sliding_window: object) -> None:
+    """transformers' ``sliding_window``: an int."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        msg = f"`sliding_window` must be an int, got {sliding_window!r}."
+        raise TypeError(msg)
+
+
+def bidirectional_window_error(sliding_window: int, lq: int, lk: int) -> ValueError:
+    """The error for a sliding window without a mask on a bidirectional layer."""
+    msg = (
+        f"`sliding_window={sliding_window}` without an attention mask on a bidirectional "
+        f"layer (Lq={lq}, Lk={lk}) would cut keys, and its two-sided convention is "
+        "model-specific; pass the mask transformers builds (the registered mask function "
+        "does) or use attn_implementation='eager'."
+    )
+    return ValueError(msg)
+
+
+def unsupported_kwarg_error(name: str, what: str | None) -> TypeError:
+    """The error for a keyword from transformers that would change the result: ``what`` it
+    does (None: a keyword the integration does not know)."""
+    about = "an option this integration does not know" if what is None else what
+    msg = (
+        f"portable_attention's transformers integration got `{name}` ({about}), which "
+        "would change the attention result but is not supported; use "
+        "attn_implementation='eager' (or 'sdpa') for this model."
+    )
+    return TypeError(msg)

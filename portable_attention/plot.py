@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from portable_attention import _validate
+
 __all__ = ["heatmap", "side_by_side"]
 
 #: A grid of more heads than this is an error (pass ``head=`` to pick one).
@@ -32,11 +34,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        msg = (
-            "portable_attention.plot needs matplotlib, which is not installed: "
-            "pip install 'portable-attention[plot]' (or pip install matplotlib)"
-        )
-        raise ImportError(msg) from exc
+        raise _validate.matplotlib_missing_error() from exc
     return plt
 
 
@@ -51,63 +49,27 @@ def _to_numpy(weights: Any, name: str = "weights") -> npt.NDArray[np.float64]:
             weights = xp.astype(weights, xp.float32)
         a = np.asarray(_convert.to_numpy(weights))
     except (TypeError, ValueError) as exc:
-        kind = type(weights).__name__
-        msg = f"`{name}` must be an array of weights [..., Lq, Lk], got {kind}: {exc}"
-        raise TypeError(msg) from exc
+        raise _validate.weights_type_error(name, weights, exc) from exc
     if not (np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.bool_)):
         try:  # bfloat16 from JAX arrives as an ml_dtypes extension dtype
             return a.astype(np.float64)
         except (TypeError, ValueError):
-            msg = f"`{name}` must hold real numbers, got dtype {a.dtype}"
-            raise TypeError(msg) from None
+            raise _validate.real_weights_error(name, a.dtype) from None
     if np.iscomplexobj(a):
-        msg = f"`{name}` must hold real numbers, got dtype {a.dtype}"
-        raise TypeError(msg)
-    if a.ndim < 2:
-        msg = f"`{name}` must have at least 2 dimensions [..., Lq, Lk], got shape {list(a.shape)}"
-        raise ValueError(msg)
-    if a.shape[-1] == 0 or a.shape[-2] == 0:
-        msg = f"`{name}` of shape {list(a.shape)} has no query or no key to draw"
-        raise ValueError(msg)
+        raise _validate.real_weights_error(name, a.dtype)
+    _validate.check_weights_shape(name, a.shape)
     return a.astype(np.float64)
-
-
-def _check_labels(labels: Sequence[Any] | None, n: int, name: str, axis: str) -> None:
-    if labels is not None and len(labels) != n:
-        msg = (
-            f"`{name}` has {len(labels)} labels but the weights have {n} {axis} "
-            f"(axis {'-2' if axis == 'queries' else '-1'}); pass one label per {axis[:-1]}"
-        )
-        raise ValueError(msg)
 
 
 def _pick(a: npt.NDArray[np.float64], head: Head) -> tuple[npt.NDArray[np.float64], str]:
     """The ``[Lq, Lk]`` panel that ``head`` names, and its title."""
     lead = a.shape[:-2]
-    if not lead:
-        msg = f"`head` needs weights with leading (head) axes; these are 2-D {list(a.shape)}"
-        raise ValueError(msg)
-    if isinstance(head, bool) or not isinstance(head, int | tuple):
-        msg = f"`head` must be an int or a tuple of ints, got {head!r}"
-        raise TypeError(msg)
+    head = _validate.check_head(head, a.shape)
     flat = a.reshape(-1, *a.shape[-2:])
+    _validate.check_head_index(head, a.shape)
     if isinstance(head, int):
-        if not -flat.shape[0] <= head < flat.shape[0]:
-            msg = (
-                f"`head={head}` is out of range for weights {list(a.shape)}: "
-                f"{flat.shape[0]} panels over the leading axes {list(lead)}"
-            )
-            raise ValueError(msg)
         index = np.unravel_index(head % flat.shape[0], lead)
     else:
-        if len(head) != len(lead) or not all(
-            isinstance(i, int) and -n <= i < n for i, n in zip(head, lead, strict=False)
-        ):
-            msg = (
-                f"`head={head}` does not index the leading axes {list(lead)} of weights "
-                f"{list(a.shape)}; pass one int per leading axis"
-            )
-            raise ValueError(msg)
         index = tuple(i % n for i, n in zip(head, lead, strict=True))
     return a[tuple(int(i) for i in index)], _title(tuple(int(i) for i in index))
 
@@ -220,8 +182,8 @@ def heatmap(
     """
     plt = _pyplot()
     a = _to_numpy(weights)
-    _check_labels(query_labels, a.shape[-2], "query_labels", "queries")
-    _check_labels(key_labels, a.shape[-1], "key_labels", "keys")
+    _validate.check_labels(query_labels, a.shape[-2], "query_labels", "queries")
+    _validate.check_labels(key_labels, a.shape[-1], "key_labels", "keys")
     low, high = _scale(a, vmin, vmax)
 
     if a.ndim == 2 or head is not None:
@@ -244,20 +206,9 @@ def heatmap(
             ax.figure.colorbar(image, ax=ax)
         return ax
 
-    if ax is not None:
-        msg = (
-            f"`ax` takes one heatmap, but weights {list(a.shape)} with head=None draw a grid "
-            f"of {math.prod(a.shape[:-2])} heads; pass head=... to draw one, or fig=..."
-        )
-        raise ValueError(msg)
+    _validate.check_grid(a.shape, ax, MAX_PANELS)
     lead = a.shape[:-2]
     n = math.prod(lead)
-    if n > MAX_PANELS:
-        msg = (
-            f"weights {list(a.shape)} have {n} heads, more than {MAX_PANELS} panels; "
-            "pass `head=` to draw one (or slice the weights first)"
-        )
-        raise ValueError(msg)
     cols = min(n, 4)
     rows = math.ceil(n / cols)
     size = (cols * _inches(a.shape[-1]) + 1.0, rows * (_inches(a.shape[-2]) + 0.5) + 0.5)
@@ -324,26 +275,17 @@ def side_by_side(
         leading axes without ``head``.
     """
     plt = _pyplot()
-    if not weights:
-        msg = "`weights` is empty: pass a mapping of panel title -> weights array"
-        raise ValueError(msg)
+    _validate.check_any_weights(weights)
     panels: dict[str, npt.NDArray[np.float64]] = {}
     for name, w in weights.items():
         a = _to_numpy(w, f"weights[{name!r}]")
-        if a.ndim > 2 and head is None:
-            msg = (
-                f"`weights[{name!r}]` has shape {list(a.shape)}: pass `head=` to pick one "
-                "[Lq, Lk] panel"
-            )
-            raise ValueError(msg)
+        _validate.check_side_panel(name, a.shape, head)
         panels[name] = a if a.ndim == 2 else _pick(a, head)[0]
     shapes = {name: p.shape for name, p in panels.items()}
-    if len(set(shapes.values())) > 1:
-        msg = f"`weights` must all have one shape, got {shapes}"
-        raise ValueError(msg)
+    _validate.check_same_shapes(shapes)
     lq, lk = next(iter(panels.values())).shape
-    _check_labels(query_labels, lq, "query_labels", "queries")
-    _check_labels(key_labels, lk, "key_labels", "keys")
+    _validate.check_labels(query_labels, lq, "query_labels", "queries")
+    _validate.check_labels(key_labels, lk, "key_labels", "keys")
     low, high = _scale(np.stack(list(panels.values())), None, None)
     n = len(panels)
     fig = plt.figure(figsize=(n * _inches(lk) + 1.0, _inches(lq) + 1.0), layout="constrained")

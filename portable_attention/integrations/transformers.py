@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from portable_attention import _validate
 from portable_attention._attention import attend
 
 __all__ = ["attention_forward", "register"]
@@ -172,12 +173,7 @@ def attention_forward(
         elif attention_mask.is_floating_point():
             bias = attention_mask
         else:
-            msg = (
-                f"`attention_mask` must be boolean (True = may attend) or an additive float "
-                f"mask, got dtype {attention_mask.dtype}; convert it with `.bool()` if its "
-                "nonzero entries mean 'attend'."
-            )
-            raise TypeError(msg)
+            raise _validate.attention_mask_dtype_error(attention_mask.dtype)
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
     if bias is not None and bias.dtype not in (query.dtype, torch.float32):
@@ -206,34 +202,20 @@ def attention_forward(
 
 def _window(sliding_window: int, causal: bool, lq: int, lk: int) -> tuple[int, int] | None:
     """``window=`` for transformers' ``sliding_window`` when no mask came."""
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
-        msg = f"`sliding_window` must be an int, got {sliding_window!r}."
-        raise TypeError(msg)
+    _validate.check_sliding_window(sliding_window)
     if causal:
         # transformers keeps kv_idx > q_idx - w: w - 1 keys back and the query itself
         return (sliding_window - 1, 0)
     if max(lq, lk) <= sliding_window:
         return None  # no key is farther than the window on either side
-    msg = (
-        f"`sliding_window={sliding_window}` without an attention mask on a bidirectional "
-        f"layer (Lq={lq}, Lk={lk}) would cut keys, and its two-sided convention is "
-        "model-specific; pass the mask transformers builds (the registered mask function "
-        "does) or use attn_implementation='eager'."
-    )
-    raise ValueError(msg)
+    raise _validate.bidirectional_window_error(sliding_window, lq, lk)
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:
     for name, value in kwargs.items():
         if value is None or name in IGNORED_KWARGS:
             continue
-        what = UNSUPPORTED_KWARGS.get(name, "an option this integration does not know")
-        msg = (
-            f"portable_attention's transformers integration got `{name}` ({what}), which "
-            "would change the attention result but is not supported; use "
-            "attn_implementation='eager' (or 'sdpa') for this model."
-        )
-        raise TypeError(msg)
+        raise _validate.unsupported_kwarg_error(name, UNSUPPORTED_KWARGS.get(name))
 
 
 def register(name: str = "portable") -> str:
@@ -272,18 +254,8 @@ def register(name: str = "portable") -> str:
     try:
         import transformers
     except ImportError as exc:
-        msg = (
-            "`register` needs Hugging Face transformers (>= 4.48): "
-            "pip install 'portable-attention[transformers]'"
-        )
-        raise ImportError(msg) from exc
-    builtin = {"eager", "sdpa", "flex_attention", "paged|eager"}
-    if not isinstance(name, str) or not name or name in builtin or "flash" in name:
-        msg = (
-            f"`name` must be a new, non-empty attn_implementation string such as 'portable', "
-            f"got {name!r} (transformers' own implementations cannot be replaced)."
-        )
-        raise ValueError(msg)
+        raise _validate.transformers_missing_error() from exc
+    _validate.check_attn_implementation(name)
     interface = getattr(transformers, "AttentionInterface", None)
     if interface is not None:
         interface.register(name, attention_forward)

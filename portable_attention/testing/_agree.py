@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_attention import _validate
 from portable_attention._convert import (
     _check_name,
     _import,
@@ -68,11 +69,7 @@ def tolerance(dtype: Any) -> tuple[float, float]:
         return _TOLERANCES[name]
     if name in _EXACT:
         return (0.0, 0.0)
-    msg = (
-        f"`dtype` {dtype!r} has no default tolerance (known: "
-        f"{', '.join([*_TOLERANCES, *_EXACT])}); pass `rtol` and `atol` explicitly."
-    )
-    raise ValueError(msg)
+    raise _validate.no_tolerance_error(dtype, [*_TOLERANCES, *_EXACT])
 
 
 # -- nested structures -------------------------------------------------------------------------
@@ -227,22 +224,16 @@ def _backend_names(backends: Iterable[str] | None) -> tuple[str, ...]:
     if backends is None:
         return available_backends()
     if isinstance(backends, str) or not isinstance(backends, Iterable):
-        msg = (
-            f"`backends` must be a sequence of backend names like ('numpy', 'torch'), got "
-            f"{backends!r}."
-        )
-        raise TypeError(msg)
+        raise _validate.backends_type_error(backends)
     names = tuple(dict.fromkeys(backends))
     if not names:
-        msg = "`backends` is empty: name at least one backend, e.g. ('numpy', 'torch')."
-        raise ValueError(msg)
+        raise _validate.no_backends_error()
     for name in names:
         try:
             _check_name(name)
             _import(name)
         except ValueError as err:
-            msg = f"`backends` has {name!r}: {err}"
-            raise ValueError(msg) from None
+            raise _validate.unusable_backend_error(name, err) from None
     return names
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_attention import _validate
 from portable_attention._convert import (
     _check_name,
     _import,
@@ -96,5 +97,4 @@ def _numpy_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        msg = f"`dtype` must be a dtype name like 'float32' or 'bfloat16', got {name!r}."
-        raise ValueError(msg) from None
+        raise _validate.dtype_name_error(name) from None

@@ -31,6 +31,7 @@ import os
 
 import pytest
 
+from portable_attention import _validate
 from portable_attention._convert import (
     BACKEND_NAMES,
     _check_name,
@@ -62,17 +63,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _select(raw: str, source: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
     if not names:
-        msg = f"{source}={raw!r} names no backend; known: {', '.join(BACKEND_NAMES)}."
+        msg = _validate.no_backend_selected_message(source, raw, BACKEND_NAMES)
         raise pytest.UsageError(msg)
     for name in names:
         try:
             _check_name(name)
             module = _import(name)
         except ValueError as err:
-            msg = f"{source}={raw!r} requests backend {name!r}, which is not usable: {err}"
+            msg = _validate.unusable_backend_message(source, raw, name, err)
             raise pytest.UsageError(msg) from None
         if name == "cupy" and not _cupy_has_gpu(module):
-            msg = f"{source}={raw!r} requests backend 'cupy', but CuPy finds no GPU here."
+            msg = _validate.cupy_without_gpu_message(source, raw)
             raise pytest.UsageError(msg)
     return names
 
@@ -113,6 +114,6 @@ def array_backend(request: pytest.FixtureRequest) -> ArrayBackend:
     """The array backend under test (parametrized over the selected backends)."""
     name = getattr(request, "param", None)
     if name is None:
-        msg = "`array_backend` is parametrized by the plugin; do not request it indirectly."
+        msg = _validate.indirect_array_backend_message()
         raise pytest.UsageError(msg)
     return ArrayBackend(str(name))
