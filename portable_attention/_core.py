@@ -226,7 +226,7 @@ def dense(
     ops = operands(call, q, k, v, mask, bias)
     grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
     s = _masked_scores(call, ops, *grid, whole=True)
-    e, denom, lse = _softmax_parts(xp, s)
+    e, denom, lse = _softmax_parts(xp, s, guarded=rows_may_be_empty(call))
     p = e
     if keep_mask is not None:
         p = xp.where(keep_mask(tuple(s.shape)), p / (1.0 - call.dropout), 0.0)
@@ -239,14 +239,37 @@ def dense(
     return out, weights, lse
 
 
-def _softmax_parts(xp: Any, s: Any) -> tuple[Any, Any, Any]:
+def rows_may_be_empty(call: Call) -> bool:
+    """Whether a query row can have no key: only through ``mask``, ``bias`` (-inf),
+    ``causal`` or ``window`` (``Lk == 0`` is handled before any scores exist).
+
+    Without them every row attends to all ``Lk >= 1`` keys, and the softmax needs no
+    guard for empty rows. The guards are not free: on XLA's CPU backend a ``where`` on
+    the row max stops the scores' matmul, max, ``exp`` and sum from fusing, and the plain
+    call ran about 1.3x faster without it (jax 0.10, ``[1, 8, 128, 64]``). Non-finite
+    inputs then give NaN rows, as in the seed's formula.
+    """
+    return not (
+        call.mask_shape is None
+        and call.bias_shape is None
+        and call.causal is None
+        and call.window is None
+    )
+
+
+def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
     """``(exp(s - max), row sums, lse)``: softmax = the first over the second.
 
-    Rows whose scores are all ``-inf`` give exps 0, a row sum replaced by 1 (so weights
-    and outputs are 0) and lse ``-inf``, with zero (finite) gradients: every division and
-    log sees a safe operand selected by ``where``.
+    ``guarded``: rows whose scores are all ``-inf`` give exps 0, a row sum replaced by 1
+    (so weights and outputs are 0) and lse ``-inf``, with zero (finite) gradients: every
+    division and log sees a safe operand selected by ``where``. Unguarded is the plain
+    formula, for calls where no row can be empty (:func:`rows_may_be_empty`).
     """
     m = xp.max(s, axis=-1, keepdims=True)
+    if not guarded:
+        e = xp.exp(s - m)
+        denom = xp.sum(e, axis=-1, keepdims=True)
+        return e, denom, (xp.log(denom) + m)[..., 0]
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
     e = xp.exp(s - m_safe)
     denom = xp.sum(e, axis=-1, keepdims=True)

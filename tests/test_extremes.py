@@ -232,6 +232,37 @@ def test_nan_query_row_stays_in_its_row(backend: Backend, hp_dtype: str, path: s
         assert_close(lse_np[~nan_row], ref_lse[~nan_row], hp_dtype, what="lse")
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_query_row_stays_in_its_row_without_masking(
+    backend: Backend, hp_dtype: str, path: str
+) -> None:
+    """The same with nothing that masks, where the softmax runs without its empty-row
+    guards: the NaN row is NaN, every other row is exact, lse included.
+
+    Except torch SDPA's CPU kernel without a mask (torch 2.13), which writes zeros for
+    the NaN row: documented in the contract; asserted here so that a change shows."""
+    rng = rng_for("extremes", "nan-row-plain")
+    qn = rng.standard_normal((2, 4, 5, 8))
+    kn, vn = rng.standard_normal((2, 2, 7, 8)), rng.standard_normal((2, 2, 7, 8))
+    qn[0, 1, 2, 0] = np.nan
+    q, k, v = (backend.asarray(a, hp_dtype) for a in (qn, kn, vn))
+    out, lse = _with_lse(backend, path, q, k, v)
+    out_np = backend.to_numpy(out)
+    nan_row = np.zeros(out_np.shape[:-1], dtype=bool)
+    nan_row[0, 1, 2] = True
+    sdpa = path == "fused" and plan(q, k, v, implementation="fused").path == "fused:torch"
+    if sdpa and str(backend.device) == "cpu":  # ("auto" asks for lse: not SDPA)
+        assert np.all(out_np[nan_row] == 0.0), out_np[nan_row]
+    else:
+        assert np.all(np.isnan(out_np[nan_row])), out_np[nan_row]
+    ref_out, _, ref_lse = oracle.attention(np.where(np.isnan(qn), 0.0, qn), kn, vn)
+    assert_close(out_np[~nan_row], ref_out[~nan_row], hp_dtype)
+    if lse is not None:
+        lse_np = backend.to_numpy(lse)
+        assert np.isnan(lse_np[0, 1, 2]), lse_np[0, 1, 2]
+        assert_close(lse_np[~nan_row], ref_lse[~nan_row], hp_dtype, what="lse")
+
+
 # ------------------------------------------------------------------------------------------
 # Long key sequences on the chunked path
 

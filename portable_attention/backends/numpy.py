@@ -173,8 +173,9 @@ def _block(
     if allowed is not None:
         np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
     m = s.max(axis=-1, keepdims=True)
-    # Rows with no key (max -inf) subtract a finite number instead: their exps are 0.
-    np.maximum(m, np.finfo(m.dtype).min, out=m)
+    guarded = _core.rows_may_be_empty(call)
+    if guarded:  # rows with no key (max -inf) subtract a finite number: their exps are 0
+        np.maximum(m, np.finfo(m.dtype).min, out=m)
     np.subtract(s, m, out=s)
     np.exp(s, out=s)
     if v_sum is not None:
@@ -182,8 +183,9 @@ def _block(
         block_sum, total = both[..., :-1], both[..., -1:]
     else:
         total = s.sum(axis=-1, keepdims=True)
-    has_key = total != 0  # NaN rows keep NaN (lse too), as in _core
-    total[~has_key] = 1.0
+    has_key = total != 0 if guarded else None  # NaN rows keep NaN (lse too), as in _core
+    if has_key is not None:
+        total[~has_key] = 1.0
     if weights is not None:
         np.divide(s, total, out=weights[..., r, :])
     if keep is not None:
@@ -194,5 +196,6 @@ def _block(
     np.divide(block_sum, total, out=out[..., r, :])
     if lse is not None:
         block_lse = np.log(total) + m
-        block_lse[~has_key] = -np.inf
+        if has_key is not None:
+            block_lse[~has_key] = -np.inf
         lse[..., r] = block_lse[..., 0]
