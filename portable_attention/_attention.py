@@ -13,9 +13,12 @@ from portable_attention.backends import adapter
 #: Runs a validated call: ``run(q, k, v, mask, bias, rng) -> attend's result``.
 Runner = Callable[[Any, Any, Any, Any, Any, Any], Any]
 
-#: Validated calls and their runners by :func:`call_key`: a repeated call (same types,
-#: shapes, dtypes, devices and options) skips validation and planning. Never data.
-_calls: dict[Any, tuple[Call, Runner]] = {}
+#: Validated calls and their runners by the type of ``q``, then by :func:`call_key`: a
+#: repeated call (same types, shapes, dtypes, devices and options) skips validation and
+#: planning. Never data. One dict per array type: ``torch.compile`` traces the lookup and
+#: cannot compare other frameworks' keys (NumPy dtypes) with its own.
+_calls: dict[type, dict[Any, tuple[Call, Runner]]] = {}
+#: Entries per array type; a full memo is cleared.
 _CALLS_MAX = 4096
 
 
@@ -104,7 +107,8 @@ def attend(
     """
     options = (causal, window, scale, softcap, dropout, rng is not None, chunk_size)
     key = call_key(q, k, v, mask, bias, (*options, return_weights, return_lse, implementation))
-    known = _calls.get(key) if key is not None else None
+    memo = _calls.get(type(q)) if key is not None else None
+    known = memo.get(key) if memo is not None else None
     if known is None:
         call = validate_call(
             q,
@@ -125,9 +129,10 @@ def attend(
         path = choose(call, check_implementation(implementation)).path
         known = (call, _runner(call, path))
         if key is not None:
-            if len(_calls) >= _CALLS_MAX:
-                _calls.clear()
-            _calls[key] = known
+            memo = _calls.setdefault(type(q), {})
+            if len(memo) >= _CALLS_MAX:
+                memo.clear()
+            memo[key] = known
     return known[1](q, k, v, mask, bias, rng)
 
 

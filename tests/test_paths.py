@@ -189,6 +189,23 @@ def test_torch_compile_fullgraph() -> None:
     torch.testing.assert_close(compiled(q, k, v), expected)
 
 
+@requires_backend("torch")
+def test_torch_compile_fullgraph_after_numpy_calls() -> None:
+    """The call memo holding NumPy calls does not break a fullgraph trace of a torch
+    call. Windows 8 and 2**64 have the same hash: dynamo then compares the two keys,
+    and cannot compare the NumPy dtypes in them (seen after the hostile-input tests)."""
+    import torch
+
+    nq, nk, nv = _qkv(BY_NAME["numpy"], (1, 2, 5, 4), (1, 2, 5, 4), dtype="float64")
+    for window in (8, 2**64):
+        attend(nq, nk, nv, window=(None, window))
+        attend(nq, nk, nv, window=(None, window))  # memoised now
+    q, k, v = _qkv(BY_NAME["torch"], (1, 2, 5, 4), (1, 2, 5, 4))
+    torch._dynamo.reset()  # a fresh trace, not one cached by an earlier test
+    compiled = torch.compile(lambda a, b, c: attend(a, b, c, window=2), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), attend(q, k, v, window=2))
+
+
 @requires_backend("jax")
 def test_jax_fused_under_jit_vmap_grad() -> None:
     import jax

@@ -135,10 +135,10 @@ def test_concurrent_calls_per_backend(backend: Backend) -> None:
 
 
 def test_memo_cleared_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The call memo holds 5 calls here, so with 3 shapes x 8 option sets in flight it is
-    cleared hundreds of times while other threads look up and insert; the plan cache is
-    emptied first so that it fills from all threads at once. Results stay exact, the memo
-    never outgrows its bound, plan() agrees with a fresh serial plan."""
+    """The call memo holds 5 calls per array type here, so with 3 shapes x 8 option sets
+    in flight it is cleared hundreds of times while other threads look up and insert; the
+    plan cache is emptied first so that it fills from all threads at once. Results stay
+    exact, the memo never outgrows its bound, plan() agrees with a fresh serial plan."""
     monkeypatch.setattr(_attention, "_CALLS_MAX", 5)
     monkeypatch.setattr(_attention, "_calls", {})
     monkeypatch.setattr(_plan, "_cache", {})
@@ -156,7 +156,7 @@ def test_memo_cleared_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def watch() -> None:
         while not stop.is_set():
-            sizes.append(len(_attention._calls))
+            sizes.extend(len(memo) for memo in list(_attention._calls.values()))
             time.sleep(1e-4)
 
     watcher = threading.Thread(target=watch)
