@@ -156,10 +156,16 @@ def _runner(call: Call, path: str) -> Runner:
 
         return run_fused
 
+    if path.startswith("native"):
+        native = backend.run_native
+
+        def run_native(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+            return _pack(call, *native(call, q, k, v, mask, bias, _keep_mask(call, rng)))
+
+        return run_native
+
     def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
         keep = _keep_mask(call, rng)
-        if path.startswith("native"):
-            return _pack(call, *backend.run_native(call, q, k, v, mask, bias, keep))
         if path == CHUNKED:
             out, lse = _core.chunked(call, q, k, v, mask, bias, keep)
             return _pack(call, out, None, lse)

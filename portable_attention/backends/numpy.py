@@ -126,17 +126,20 @@ def run_native(
     rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(lead) * lk))
     if blas is not None:
         rows_per_block = min(rows_per_block, -(-lq // _WORKERS))  # work for every thread
-    blocks = [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
-
-    def run(rows: tuple[int, int]) -> None:
-        _block(call, ops, v_sum, rows, keep, out, weights, lse)
-
-    if blas is not None and len(blocks) > 1:
-        with _blas_pinned(blas):
-            list(_executor().map(run, blocks))
+    if rows_per_block >= lq:  # one block (decode, short sequences): no list, no closure
+        _block(call, ops, v_sum, (0, lq), keep, out, weights, lse)
     else:
-        for rows in blocks:
-            run(rows)
+        blocks = [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
+
+        def run(rows: tuple[int, int]) -> None:
+            _block(call, ops, v_sum, rows, keep, out, weights, lse)
+
+        if blas is not None:
+            with _blas_pinned(blas):
+                list(_executor().map(run, blocks))
+        else:
+            for rows in blocks:
+                run(rows)
     out_final = out.reshape(*call.q_shape[:-1], call.v_shape[-1]).astype(call.dtype, copy=False)
     if weights is not None:
         weights = weights.reshape(*call.q_shape[:-1], lk).astype(call.dtype, copy=False)
@@ -159,7 +162,8 @@ def _block(
     lk = call.k_shape[-2]
     cols = (0, lk)
     r = slice(*rows)
-    s = np.matmul(ops.q[..., r, :], np.swapaxes(ops.k, -1, -2))  # a fresh block: ours to edit
+    qb = ops.q if rows[1] - rows[0] == call.q_shape[-2] else ops.q[..., r, :]
+    s = np.matmul(qb, np.swapaxes(ops.k, -1, -2))  # a fresh block: ours to edit
     if call.softcap is not None:
         np.multiply(s, 1.0 / call.softcap, out=s)
         np.tanh(s, out=s)
