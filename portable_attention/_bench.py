@@ -6,7 +6,9 @@ arrays in the same run, the throughput ratio ``anchor_time / our_time`` (>= 1 me
 are faster), GFLOP/s and the process's peak RSS so far. Times are medians of several
 repetitions after warm-up, alternating ours and the anchor. Anchors: torch SDPA called directly,
 ``jax.nn.dot_product_attention`` under ``jax.jit``, and for NumPy the seed-style formula
-(matmul, divide by sqrt(d), subtract max, exp, divide by sum, matmul) and torch SDPA.
+(matmul, divide by sqrt(d), subtract max, exp, divide by sum, matmul) and torch SDPA. The NumPy
+rows pause before each sample (``SETTLE_S``): each thread pool's workers spin after its
+calls and would otherwise slow the other down.
 
 ``--memory`` runs NumPy at ``B=1, H=8, L=16384, D=64`` float32 in a subprocess and
 reports its peak RSS (``VmHWM``: ``ru_maxrss`` would carry the parent's peak over exec).
@@ -42,19 +44,34 @@ def _calibrate(fn: Callable[[], Any], budget: float, repeats: int) -> int:
     return max(1, min(10_000, int(budget / repeats / once)))
 
 
+#: Pause before each sample when ours and the anchor run on different thread pools:
+#: OpenBLAS's and torch's OpenMP worker threads spin for a while after a call, taking the
+#: other's cores (SDPA ran 2-3x slower right after NumPy calls here). NumPy's kernel runs
+#: its own threads with the BLAS pinned to one, the seed formula the BLAS's threads.
+SETTLE_S = 0.15
+
+
 def _medians(
-    ours: Callable[[], Any], anchor: Callable[[], Any], *, budget: float = 1.0, repeats: int = 9
+    ours: Callable[[], Any],
+    anchor: Callable[[], Any],
+    *,
+    budget: float = 1.0,
+    repeats: int = 9,
+    settle: float = 0.0,
 ) -> tuple[float, float]:
     """Median seconds per call of ``ours`` and ``anchor`` after warm-up.
 
     Samples alternate between the two (ours, anchor, ours, ...) so that drift in the
-    machine's speed hits both alike; each sample times a batch of calls.
+    machine's speed hits both alike; each sample times a batch of calls, after a pause
+    of ``settle`` seconds where given.
     """
     n_ours = _calibrate(ours, budget / 2, repeats)
     n_anchor = _calibrate(anchor, budget / 2, repeats)
     samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for fn, n, out in ((ours, n_ours, samples[0]), (anchor, n_anchor, samples[1])):
+            if settle:
+                time.sleep(settle)
             start = time.perf_counter()
             for _ in range(n):
                 fn()
@@ -106,28 +123,40 @@ def _row(
 
 
 def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
-    has_torch = importlib.util.find_spec("torch") is not None
-    for name, qs, kvs in _cases():
-        q, k, v = _inputs(qs, kvs)
-        flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
-        path = plan(q, k, v).path
+    """Against the seed formula, then (all NumPy rows done first, so that torch's threads
+    never run between NumPy samples) against torch SDPA, with a pause before each sample."""
+    cases = [(name, _inputs(qs, kvs), qs, kvs) for name, qs, kvs in _cases()]
+    for name, (q, k, v), qs, kvs in cases:
         ours, seed = _medians(
             lambda: attend(q, k, v),  # noqa: B023
             lambda: seed_formula(q, k, v),  # noqa: B023
             budget=budget,
+            settle=SETTLE_S,  # our threads with the BLAS pinned vs the BLAS's own threads
         )
-        rows.append(_row("numpy", name, path, ours, "seed formula", seed, flops))
-        if has_torch:
-            import torch
-            import torch.nn.functional as F
+        rows.append(
+            _row("numpy", name, plan(q, k, v).path, ours, "seed formula", seed, _flops(qs, kvs))
+        )
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch
+    import torch.nn.functional as F
 
-            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-            ours, sdpa = _medians(
-                lambda: attend(q, k, v),  # noqa: B023
-                lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
-                budget=budget,
-            )
-            rows.append(_row("numpy", name, path, ours, "torch SDPA", sdpa, flops))
+    for name, (q, k, v), qs, kvs in cases:
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        ours, sdpa = _medians(
+            lambda: attend(q, k, v),  # noqa: B023
+            lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
+            budget=budget,
+            settle=SETTLE_S,
+        )
+        rows.append(
+            _row("numpy", name, plan(q, k, v).path, ours, "torch SDPA", sdpa, _flops(qs, kvs))
+        )
+
+
+def _flops(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> float:
+    """Multiply-adds of the two matmuls, counted as 2 FLOPs each."""
+    return 4.0 * math.prod(q_shape[:-1]) * kv_shape[-2] * q_shape[-1]
 
 
 def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
@@ -136,7 +165,7 @@ def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
 
     for name, qs, kvs in _cases():
         q, k, v = (torch.from_numpy(x) for x in _inputs(qs, kvs))
-        flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
+        flops = _flops(qs, kvs)
         with torch.inference_mode():
             path = plan(q, k, v).path
             ours, sdpa = _medians(
@@ -159,7 +188,7 @@ def _bench_jax(rows: list[dict[str, Any]], budget: float) -> None:
     )
     for name, qs, kvs in _cases():
         q, k, v = (jnp.asarray(x) for x in _inputs(qs, kvs))
-        flops = 4.0 * math.prod(qs[:-1]) * kvs[-2] * qs[-1]
+        flops = _flops(qs, kvs)
         path = plan(q, k, v).path
         ours, theirs = _medians(
             lambda: ours_fn(q, k, v).block_until_ready(),  # noqa: B023
