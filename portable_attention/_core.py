@@ -212,6 +212,8 @@ def dense(
     mask: Any = None,
     bias: Any = None,
     keep_mask: KeepMask | None = None,
+    *,
+    guarded: bool | None = None,
 ) -> tuple[Any, Any, Any]:
     """Attention with the full ``[..., Lq, Lk]`` score matrix.
 
@@ -219,6 +221,8 @@ def dense(
     dropout; None unless ``call.return_weights``) in the input dtype, ``lse [..., Hq, Lq]``
     in the compute dtype. The softmax division is applied to ``out`` (``Lq*Dv``
     divisions) rather than to the scores (``Lq*Lk``) unless the weights are wanted.
+    ``guarded``: the softmax's empty-row guards; None: where :func:`rows_may_be_empty`.
+    An adapter may ask for them where they measure faster.
     """
     if call.k_shape[-2] == 0:
         return _empty_keys(call, q, k, v)
@@ -226,7 +230,9 @@ def dense(
     ops = operands(call, q, k, v, mask, bias)
     grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
     s = _masked_scores(call, ops, *grid, whole=True)
-    e, denom, lse = _softmax_parts(xp, s, guarded=rows_may_be_empty(call))
+    if guarded is None:
+        guarded = rows_may_be_empty(call)
+    e, denom, lse = _softmax_parts(xp, s, guarded=guarded)
     p = e
     if keep_mask is not None:
         p = xp.where(keep_mask(tuple(s.shape)), p / (1.0 - call.dropout), 0.0)
