@@ -127,12 +127,13 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
     """Against the seed formula, then (all NumPy rows done first, so that torch's threads
     never run between NumPy samples) against torch SDPA, with a pause before each sample."""
     cases = [(name, _inputs(qs, kvs), qs, kvs) for name, qs, kvs in _cases()]
+    pause = SETTLE_S * min(1.0, budget)  # a quick run (tests) pauses less
     for name, (q, k, v), qs, kvs in cases:
         ours, seed = _medians(
             lambda: attend(q, k, v),  # noqa: B023
             lambda: seed_formula(q, k, v),  # noqa: B023
             budget=budget,
-            settle=SETTLE_S,  # our threads with the BLAS pinned vs the BLAS's own threads
+            settle=pause,  # our threads with the BLAS pinned vs the BLAS's own threads
         )
         rows.append(
             _row("numpy", name, plan(q, k, v).path, ours, "seed formula", seed, _flops(qs, kvs))
@@ -148,7 +149,7 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
             lambda: attend(q, k, v),  # noqa: B023
             lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
             budget=budget,
-            settle=SETTLE_S,
+            settle=pause,
         )
         rows.append(
             _row("numpy", name, plan(q, k, v).path, ours, "torch SDPA", sdpa, _flops(qs, kvs))
