@@ -105,8 +105,19 @@ def attend(
         Mismatched shapes, ranks, heads or devices, bad option values, or
         ``implementation="fused"`` where no fused kernel applies.
     """
-    options = (causal, window, scale, softcap, dropout, rng is not None, chunk_size)
-    key = call_key(q, k, v, mask, bias, (*options, return_weights, return_lse, implementation))
+    options = (
+        causal,
+        window,
+        scale,
+        softcap,
+        dropout,
+        rng is not None,
+        chunk_size,
+        return_weights,
+        return_lse,
+        implementation,
+    )
+    key = call_key(q, k, v, mask, bias, options)
     memo = _calls.get(type(q)) if key is not None else None
     known = memo.get(key) if memo is not None else None
     if known is None:
