@@ -61,15 +61,16 @@ def _medians(
 ) -> tuple[float, float]:
     """Median seconds per call of ``ours`` and ``anchor`` after warm-up.
 
-    Samples alternate between the two (ours, anchor, ours, ...) so that drift in the
-    machine's speed hits both alike; each sample times a batch of calls, after a pause
-    of ``settle`` seconds where given.
+    Samples alternate between the two (ours, anchor, anchor, ours, ours, ...) so that
+    drift in the machine's speed hits both alike and neither always runs first; each
+    sample times a batch of calls, after a pause of ``settle`` seconds where given.
     """
     n_ours = _calibrate(ours, budget / 2, repeats)
     n_anchor = _calibrate(anchor, budget / 2, repeats)
     samples: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, n, out in ((ours, n_ours, samples[0]), (anchor, n_anchor, samples[1])):
+    pair = ((ours, n_ours, samples[0]), (anchor, n_anchor, samples[1]))
+    for i in range(repeats):
+        for fn, n, out in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
             if settle:
                 time.sleep(settle)
                 fn()  # the first call after a pause wakes threads: not timed, for both
