@@ -1189,3 +1189,67 @@ def unsupported_kwarg_error(name: str, what: str | None) -> TypeError:
         "attn_implementation='eager' (or 'sdpa') for this model."
     )
     return TypeError(msg)
+
+
+# -- Checks of the mask builders and multi-head modules: masks, mha and the torch / flax modules
+# (portable_attention.backends.torch_mha, .flax_mha). Plain values only (names, shapes, flags):
+# no framework object is inspected here.
+
+
+def check_window_sides(
+    sides: tuple[int | None, int | None] | None,
+) -> tuple[int | None, int | None]:
+    """``window`` of ``window_mask`` after :func:`normalize_window`: not None."""
+    if sides is None:
+        msg = "`window` must be an int or a (left, right) pair, got None."
+        raise ValueError(msg)
+    return sides
+
+
+def check_lengths_shape(shape: tuple[int, ...]) -> None:
+    """``lengths`` of ``key_padding_mask``: one axis ``[B]``."""
+    if len(shape) != 1:
+        msg = f"`lengths` must have shape [B], got {shape}."
+        raise ValueError(msg)
+
+
+def check_mha_sizes(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    """``init_params``: ``embed_dim`` a positive multiple of ``num_heads``, which
+    ``num_kv_heads`` divides."""
+    if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+        msg = f"`embed_dim`={embed_dim} must be a positive multiple of `num_heads`={num_heads}"
+        raise ValueError(msg)
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        msg = f"`num_kv_heads`={num_kv_heads} must be a positive divisor of `num_heads`={num_heads}"
+        raise ValueError(msg)
+
+
+def check_state_keys(state: Any, expected: Any) -> None:
+    """The keys of a state to load (any iterable of names) are those of the parameters."""
+    if set(state) != set(expected):
+        msg = f"`state` keys {sorted(state)} != expected {sorted(expected)}"
+        raise ValueError(msg)
+
+
+def check_state_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    """One loaded parameter has the shape of the one it replaces."""
+    if shape != expected:
+        msg = f"`state[{name!r}]` has shape {shape}, expected {expected}"
+        raise ValueError(msg)
+
+
+def check_torch_mha_extras(uses_extras: bool) -> None:
+    """``from_torch``: an ``nn.MultiheadAttention`` without add_bias_kv / add_zero_attn."""
+    if uses_extras:
+        msg = "`m` uses add_bias_kv or add_zero_attn, which this module does not support"
+        raise ValueError(msg)
+
+
+def check_no_grouped_heads(num_kv_heads: int, num_heads: int) -> None:
+    """``to_torch``: nn.MultiheadAttention has no grouped-query heads."""
+    if num_kv_heads != num_heads:
+        msg = (
+            f"`num_kv_heads`={num_kv_heads} != `num_heads`={num_heads}: "
+            "nn.MultiheadAttention has no grouped-query heads"
+        )
+        raise ValueError(msg)

@@ -116,11 +116,7 @@ def window_mask(
     lq = _validate.check_length("lq", lq)
     lk = _validate.check_length("lk", lk)
     align = _validate.normalize_align(align)
-    sides = _validate.normalize_window(window)
-    if sides is None:
-        msg = "`window` must be an int or a (left, right) pair, got None."
-        raise ValueError(msg)
-    left, right = sides
+    left, right = _validate.check_window_sides(_validate.normalize_window(window))
     return band(_namespace(xp), lq, lk, left=left, right=right, align=align, device=device)
 
 
@@ -131,9 +127,7 @@ def key_padding_mask(lengths: Any, lk: int) -> Any:
     """
     xp = _validate.check_mask_array("lengths", lengths, integer=True)
     lk = _validate.check_length("lk", lk)
-    if lengths.ndim != 1:
-        msg = f"`lengths` must have shape [B], got {tuple(lengths.shape)}."
-        raise ValueError(msg)
+    _validate.check_lengths_shape(tuple(lengths.shape))
     device = array_api_compat.device(lengths)
     # Positions in the default integer dtype: arange in a small dtype (uint8) would wrap.
     positions = xp.reshape(xp.arange(lk, device=device), (1, 1, 1, lk))

@@ -177,12 +177,7 @@ def init_params(
         Seed of the NumPy generator.
     """
     hk = num_heads if num_kv_heads is None else num_kv_heads
-    if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
-        msg = f"`embed_dim`={embed_dim} must be a positive multiple of `num_heads`={num_heads}"
-        raise ValueError(msg)
-    if hk <= 0 or num_heads % hk:
-        msg = f"`num_kv_heads`={hk} must be a positive divisor of `num_heads`={num_heads}"
-        raise ValueError(msg)
+    _validate.check_mha_sizes(embed_dim, num_heads, hk)
     if xp is None:
         import numpy as xp
     ns = array_api_compat.array_namespace(xp.asarray(0.0))
@@ -285,9 +280,7 @@ class MultiHeadAttention:
         """Replace the parameters with ``state`` (any framework's arrays, e.g. from
         ``state_dict_portable()`` of the torch module), converted to this object's namespace,
         dtype and device. Keys and shapes must match the current ones."""
-        if set(state) != set(self.params):
-            msg = f"`state` keys {sorted(state)} != expected {sorted(self.params)}"
-            raise ValueError(msg)
+        _validate.check_state_keys(state, self.params)
         new = {}
         for name, old in self.params.items():
             xp = array_api_compat.array_namespace(old)
@@ -297,8 +290,6 @@ class MultiHeadAttention:
             ):
                 src = np.asarray(src)  # another framework's (host) array
             arr = xp.asarray(src, dtype=old.dtype, device=array_api_compat.device(old))
-            if tuple(arr.shape) != tuple(old.shape):
-                msg = f"`state[{name!r}]` has shape {tuple(arr.shape)}, expected {tuple(old.shape)}"
-                raise ValueError(msg)
+            _validate.check_state_shape(name, tuple(arr.shape), tuple(old.shape))
             new[name] = arr
         self.params = new

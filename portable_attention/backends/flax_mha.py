@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from portable_attention import mha
+from portable_attention import _validate, mha
 
 __all__ = ["MultiHeadAttention"]
 
@@ -116,13 +116,9 @@ class MultiHeadAttention(nnx.Module):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load portable-format arrays of any framework (converted through NumPy/DLPack)."""
-        if set(state) != set(self.names):
-            msg = f"`state` keys {sorted(state)} != expected {sorted(self.names)}"
-            raise ValueError(msg)
+        _validate.check_state_keys(state, self.names)
         for name in self.names:
             param = getattr(self, name)
             new = jnp.asarray(np.asarray(state[name]), dtype=param[...].dtype)
-            if new.shape != param[...].shape:
-                msg = f"`state[{name!r}]` has shape {new.shape}, expected {param[...].shape}"
-                raise ValueError(msg)
+            _validate.check_state_shape(name, tuple(new.shape), tuple(param[...].shape))
             param[...] = new

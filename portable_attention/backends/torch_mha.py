@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from portable_attention import _validate
 from portable_attention.mha import BIASES, WEIGHTS, init_params, multi_head_attention
 
 __all__ = ["MultiHeadAttention", "TorchCompatMultiHeadAttention"]
@@ -274,16 +275,12 @@ class MultiHeadAttention(nn.Module):
         """Copy ``state`` (portable keys; NumPy, torch, JAX, ... arrays) into the parameters,
         cast to their dtype and device. Keys and shapes must match."""
         params = self.params()
-        if set(state) != set(params):
-            msg = f"`state` keys {sorted(state)} != expected {sorted(params)}"
-            raise ValueError(msg)
+        _validate.check_state_keys(state, params)
         with torch.no_grad():
             for name, p in params.items():
                 src = state[name]
                 t = src if isinstance(src, torch.Tensor) else torch.as_tensor(np.asarray(src))
-                if tuple(t.shape) != tuple(p.shape):
-                    msg = f"`state[{name!r}]` has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
-                    raise ValueError(msg)
+                _validate.check_state_shape(name, tuple(t.shape), tuple(p.shape))
                 p.copy_(t)
 
     # -- torch.nn.MultiheadAttention interop ------------------------------------------------
@@ -296,9 +293,9 @@ class MultiHeadAttention(nn.Module):
         ``torch_compat=True`` returns a :class:`TorchCompatMultiHeadAttention` (torch's
         ``forward`` signature: a drop-in replacement).
         """
-        if m.bias_k is not None or m.bias_v is not None or m.add_zero_attn:
-            msg = "`m` uses add_bias_kv or add_zero_attn, which this module does not support"
-            raise ValueError(msg)
+        _validate.check_torch_mha_extras(
+            m.bias_k is not None or m.bias_v is not None or bool(m.add_zero_attn)
+        )
         if m._qkv_same_embed_dim:
             wq, wk, wv = m.in_proj_weight.chunk(3, dim=0)
         else:
@@ -328,12 +325,7 @@ class MultiHeadAttention(nn.Module):
     def to_torch(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with these weights (same dropout, batch_first and
         training mode). Needs ``num_kv_heads == num_heads`` (torch has no grouped heads)."""
-        if self.num_kv_heads != self.num_heads:
-            msg = (
-                f"`num_kv_heads`={self.num_kv_heads} != `num_heads`={self.num_heads}: "
-                "nn.MultiheadAttention has no grouped-query heads"
-            )
-            raise ValueError(msg)
+        _validate.check_no_grouped_heads(self.num_kv_heads, self.num_heads)
         p = self.params()
         w_q = p["w_q"]
         m = nn.MultiheadAttention(
