@@ -127,24 +127,25 @@ def _row(
 def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
     """Against the seed formula, then (all NumPy rows done first, so that torch's threads
     never run between NumPy samples) against torch SDPA, with a pause before each sample."""
-    cases = [(name, _inputs(qs, kvs), qs, kvs) for name, qs, kvs in _cases()]
+    cases = []
+    for name, qs, kvs in _cases():
+        q, k, v = _inputs(qs, kvs)
+        cases.append((name, (q, k, v), plan(q, k, v).path, _flops(qs, kvs)))
     pause = SETTLE_S * min(1.0, budget)  # a quick run (tests) pauses less
-    for name, (q, k, v), qs, kvs in cases:
+    for name, (q, k, v), path, flops in cases:
         ours, seed = _medians(
             lambda: attend(q, k, v),  # noqa: B023
             lambda: seed_formula(q, k, v),  # noqa: B023
             budget=budget,
             settle=pause,  # our threads with the BLAS pinned vs the BLAS's own threads
         )
-        rows.append(
-            _row("numpy", name, plan(q, k, v).path, ours, "seed formula", seed, _flops(qs, kvs))
-        )
+        rows.append(_row("numpy", name, path, ours, "seed formula", seed, flops))
     if importlib.util.find_spec("torch") is None:
         return
     import torch
     import torch.nn.functional as F
 
-    for name, (q, k, v), qs, kvs in cases:
+    for name, (q, k, v), path, flops in cases:
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
         ours, sdpa = _medians(
             lambda: attend(q, k, v),  # noqa: B023
@@ -152,9 +153,7 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
             budget=budget,
             settle=pause,
         )
-        rows.append(
-            _row("numpy", name, plan(q, k, v).path, ours, "torch SDPA", sdpa, _flops(qs, kvs))
-        )
+        rows.append(_row("numpy", name, path, ours, "torch SDPA", sdpa, flops))
 
 
 def _flops(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> float:
