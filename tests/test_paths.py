@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import attend, plan
+from portable_attention.backends import numpy as numpy_backend
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
@@ -151,9 +152,10 @@ def test_chunked_agrees_with_dense_on_many_blocks(
 
 @requires_backend("numpy")
 def test_numpy_threaded_kernel_matches_oracle() -> None:
-    """Big enough for the NumPy kernel's threads (2M scores) and several query blocks."""
+    """Big enough for the NumPy kernel's threads (4M scores) and several query blocks."""
     rng = rng_for("threads")
-    q, k, v = (randn(rng, (1, 8, 512, 16)).astype(np.float32) for _ in range(3))
+    q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
+    assert numpy_backend._THREADS_MIN_ELEMENTS <= 2 * 8 * 512 * 512  # threads, or no test
     mask = rng.random((512, 512)) < 0.9
     mask[7] = False
     assert plan(q, k, v, mask=mask).path == "native:numpy"
@@ -164,6 +166,47 @@ def test_numpy_threaded_kernel_matches_oracle() -> None:
     assert_close(out.astype(np.float64), ref_out, "float32")
     assert np.all(out[:, :, 7] == 0) and np.all(np.isneginf(lse[:, :, 7]))
     assert_close(lse[:, :, 8:].astype(np.float64), ref_lse[:, :, 8:], "float32", what="lse")
+
+
+#: Per-row offsets of the scores (a bias constant along each row leaves the softmax as it
+#: is and adds itself to lse). "fast": every row's sum of exp(scores) stays in the range
+#: where the NumPy kernel skips its max pass; "beyond": rows whose exps overflow, or
+#: underflow to subnormals or zero, so that the kernel must subtract the max.
+_OFFSETS = {
+    "float32": {"fast": [-40.0, 0.0, 40.0, 80.0], "beyond": [-200.0, -100.0, 0.0, 95.0, 300.0]},
+    "float64": {"fast": [-600.0, 0.0, 600.0], "beyond": [-1000.0, 0.0, 720.0, 2000.0]},
+}
+
+
+@requires_backend("numpy")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["fast", "beyond", "huge_v"])
+@pytest.mark.parametrize("lq", [40, 300], ids=["one_block", "blocks"])
+def test_numpy_softmax_without_max_pass_or_with_it(dtype: str, case: str, lq: int) -> None:
+    """The NumPy kernel's softmax skips the row max where the row sums allow it, and
+    falls back where they do not: every row matches the oracle either way, lse included.
+    "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division."""
+    rng = rng_for("no-max-pass", dtype, case, lq)
+    q, k, v = (randn(rng, (1, 4, n, 16)).astype(dtype) for n in (lq, 50, 50))
+    offsets = _OFFSETS[dtype]["fast" if case == "huge_v" else case]
+    v_scale = 1.0
+    if case == "huge_v":
+        offsets = [offsets[-1]] * 3
+        v_scale = 1e30 if dtype == "float32" else 1e300
+        v = v * v_scale
+    row_offset = np.resize(np.asarray(offsets, dtype=dtype), lq)[:, None]  # [Lq, 1]
+    bias = np.broadcast_to(row_offset, (lq, 50)).astype(dtype)
+    if lq == 300:  # more rows than one block holds: blocks that fall back and blocks that do not
+        bias = np.where(np.arange(lq)[:, None] < 150, bias, np.zeros_like(bias))
+        row_offset = bias[:, :1]
+    assert plan(q, k, v, bias=bias).path == "native:numpy"
+    out, lse = attend(q, k, v, bias=bias, return_lse=True)
+    ref_out, _, ref_lse = oracle.attention(q, k, v)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    assert_close(out.astype(np.float64) / v_scale, ref_out / v_scale, dtype)
+    assert_close(
+        lse.astype(np.float64), ref_lse + row_offset.astype(np.float64)[:, 0], dtype, what="lse"
+    )
 
 
 @requires_backend("torch")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import _attention, _plan, attend, plan
+from portable_attention.backends import numpy as numpy_backend
 
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
 from helpers import randn, rng_for
@@ -70,11 +71,12 @@ def _bind(q: Any, k: Any, v: Any, kw: dict[str, Any]) -> Callable[[], Any]:
 
 
 def _numpy_threaded_jobs() -> list[Job]:
-    """Calls big enough (2M scores) for the NumPy kernel's own threaded query blocks."""
+    """Calls big enough (4M scores) for the NumPy kernel's own threaded query blocks."""
     rng = rng_for("threads", "numpy-big")
-    q, k, v = (randn(rng, (1, 8, 512, 16)).astype(np.float32) for _ in range(3))
+    q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
     mask = rng.random((512, 512)) < 0.8
     assert plan(q, k, v).path == "native:numpy"
+    assert q.size // 16 * 512 >= numpy_backend._THREADS_MIN_ELEMENTS  # threads, or no test
     return [
         ("numpy-big", lambda: attend(q, k, v)),
         ("numpy-big-mask-causal", lambda: attend(q, k, v, mask=mask, causal=True, return_lse=True)),

@@ -2,15 +2,19 @@
 ``numpy.random.Generator`` (the generic adapter's RNG).
 
 The kernel is the portable algorithm with NumPy-only tricks: the scale folded into q,
-scores transformed in place (softcap, bias, mask, ``exp``), the row sums of the softmax
-taken by the second matmul (V gets a column of ones) and its division done on
-``[Lq, Dv]`` instead of ``[Lq, Lk]``, and query blocks sized to stay in cache.
+scores transformed in place (softcap, bias, mask, ``exp``) in a per-thread work array,
+the softmax's max pass skipped where the row sums show it was not needed (see
+:func:`_block`), the row sums taken by a matrix-vector product, the division done on
+``[Lq, Dv]`` instead of ``[Lq, Lk]``, and query blocks of bounded size.
 
-Threads: when ``threadpoolctl`` is installed, query blocks run on all cores with the BLAS
-pinned to one thread for the duration of the call (NumPy releases the GIL in matmul and
-ufuncs, so the elementwise passes run in parallel too). Without it the BLAS's own threads
-do the matmuls and the rest runs on one core: Python threads on top of a threaded
-OpenBLAS oversubscribe the cores and were measured 10-100x slower here.
+Threads: for calls of 4M scores and more, when ``threadpoolctl`` is installed, query
+blocks run on all cores (this thread and a pool) with the BLAS pinned to one thread for
+the duration of the call; NumPy releases the GIL in matmul and ufuncs, so the
+elementwise passes run in parallel too. Smaller calls, and all calls without
+threadpoolctl, run on this thread with the BLAS's own threads: waking a pool thread
+and handing the GIL back and forth cost more than it gave below that size here (at
+``[1, 8, 512, 512]`` scores, 8.2 ms threaded against 5.7 ms), and Python threads on top
+of a threaded OpenBLAS oversubscribe the cores (measured 10-100x slower).
 
 Only arrays it allocated itself are written: inputs are never modified.
 """
@@ -38,14 +42,11 @@ NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, query bloc
 #: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
 #: blocks measured faster here (L=16384: 7.3 s at 4M scores per block, 15.4 s at 1M).
 _BLOCK_ELEMENTS = 1 << 22
-#: From this many query rows on, the row sums come from the second matmul (V gets a
-#: column of ones); below, copying V costs more than summing the rows (decode: 160 us).
-_SUM_BY_MATMUL_MIN_ROWS = 256
 #: Below this many scores in all, threads cost more than they give.
-_THREADS_MIN_ELEMENTS = 1 << 21
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_THREADS_MIN_ELEMENTS = 1 << 22
+_WORKERS = max(1, min(4, os.cpu_count() or 1))  # this thread and _WORKERS - 1 in the pool
 _pool: ThreadPoolExecutor | None = None
-_blas: Any = None  # threadpoolctl.ThreadpoolController, False when not installed
+_blas: Any = None  # threadpoolctl's BLAS controllers, False when it is not installed
 
 
 def native_reason(call: _validate.Call) -> str | None:
@@ -58,12 +59,13 @@ def native_reason(call: _validate.Call) -> str | None:
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="portable_attention")
+        _pool = ThreadPoolExecutor(_WORKERS - 1, thread_name_prefix="portable_attention")
     return _pool
 
 
 def _blas_controller() -> Any:
-    """threadpoolctl's controller of the loaded BLAS, or None without threadpoolctl."""
+    """The BLAS libraries' threadpoolctl controllers (a tuple, empty when none is loaded),
+    or None without threadpoolctl."""
     global _blas
     if _blas is None:
         try:
@@ -71,27 +73,32 @@ def _blas_controller() -> Any:
         except ImportError:
             _blas = False
         else:
-            _blas = threadpoolctl.ThreadpoolController()
-    return _blas or None
+            controllers = threadpoolctl.ThreadpoolController().lib_controllers
+            _blas = tuple(c for c in controllers if c.user_api == "blas")
+    return _blas if _blas is not False else None
 
 
 _pin_lock = threading.Lock()
 _pin_users = 0
-_pin_limiter: Any = None
+_pin_restore: list[tuple[Any, int]] = []
 
 
 @contextlib.contextmanager
 def _blas_pinned(blas: Any) -> Iterator[None]:
-    """The BLAS on one thread while any call is in its threaded blocks.
+    """The BLAS on one thread while any call runs.
 
-    The limit is process-wide: with one ``blas.limit()`` per call, concurrent calls
-    restored each other's limits out of order and left the BLAS on 1 thread for good.
-    The first call in pins it, the last one out restores the original.
+    The limit is process-wide: with one limit per call, concurrent calls restored each
+    other's limits out of order and left the BLAS on 1 thread for good. The first call
+    in pins it, the last one out restores the original. Each controller's
+    ``set_num_threads`` is a direct library call (about 0.7 us; threadpoolctl's
+    ``limit()`` took 9 us, a cost a 100 us decode step notices).
     """
-    global _pin_users, _pin_limiter
+    global _pin_users
     with _pin_lock:
         if _pin_users == 0:
-            _pin_limiter = blas.limit(limits=1, user_api="blas")
+            _pin_restore[:] = [(c, c.get_num_threads()) for c in blas]
+            for c, _ in _pin_restore:
+                c.set_num_threads(1)
         _pin_users += 1
     try:
         yield
@@ -99,8 +106,9 @@ def _blas_pinned(blas: Any) -> Iterator[None]:
         with _pin_lock:
             _pin_users -= 1
             if _pin_users == 0:
-                _pin_limiter.restore_original_limits()
-                _pin_limiter = None
+                for c, n in _pin_restore:
+                    c.set_num_threads(n)
+                _pin_restore.clear()
 
 
 def run_native(
@@ -111,10 +119,6 @@ def run_native(
         return _core.dense(call, q, k, v)
     ops = _core.operands(call, np.asarray(q), np.asarray(k), np.asarray(v), mask, bias)
     lq, lk = call.q_shape[-2], call.k_shape[-2]
-    v_sum = None
-    if keep is None and lq >= _SUM_BY_MATMUL_MIN_ROWS:
-        ones = np.ones((*ops.v.shape[:-1], 1), dtype=ops.v.dtype)
-        v_sum = np.concatenate([ops.v, ones], axis=-1)  # e @ [V | 1] = [e @ V | row sums]
     lead = ops.q.shape[:-2]
     ct = call.compute_dtype
     out = np.empty((*lead, lq, call.v_shape[-1]), dtype=ct)
@@ -123,23 +127,28 @@ def run_native(
     scores = math.prod(lead) * lq * lk
     big = scores >= _THREADS_MIN_ELEMENTS and keep is None and _WORKERS > 1
     blas = _blas_controller() if big else None
+    threaded = bool(blas)
     rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(lead) * lk))
-    if blas is not None:
+    if threaded:
         rows_per_block = min(rows_per_block, -(-lq // _WORKERS))  # work for every thread
-    if rows_per_block >= lq:  # one block (decode, short sequences): no list, no closure
-        _block(call, ops, v_sum, (0, lq), keep, out, weights, lse)
-    else:
-        blocks = [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
-
-        def run(rows: tuple[int, int]) -> None:
-            _block(call, ops, v_sum, rows, keep, out, weights, lse)
-
-        if blas is not None:
-            with _blas_pinned(blas):
-                list(_executor().map(run, blocks))
+    with _blas_pinned(blas) if threaded else contextlib.nullcontext():
+        if rows_per_block >= lq:  # one block (decode, short sequences): no list, no closure
+            _block(call, ops, (0, lq), keep, out, weights, lse)
         else:
-            for rows in blocks:
-                run(rows)
+            blocks = iter(
+                [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
+            )
+
+            def drain() -> None:  # takes blocks until none is left (next() holds the GIL)
+                for rows in blocks:
+                    _block(call, ops, rows, keep, out, weights, lse)
+
+            helpers = [_executor().submit(drain) for _ in range(_WORKERS - 1)] if threaded else []
+            try:
+                drain()  # this thread works too: one thread fewer to wake
+            finally:
+                for helper in helpers:
+                    helper.result()
     out_final = out.reshape(*call.q_shape[:-1], call.v_shape[-1]).astype(call.dtype, copy=False)
     if weights is not None:
         weights = weights.reshape(*call.q_shape[:-1], lk).astype(call.dtype, copy=False)
@@ -151,19 +160,29 @@ def run_native(
 def _block(
     call: _validate.Call,
     ops: Any,
-    v_sum: Any | None,
     rows: tuple[int, int],
     keep: Any,
     out: Any,
     weights: Any,
     lse: Any,
+    *,
+    row_max: bool = False,
 ) -> None:
-    """One query block, written into the preallocated ``out`` / ``weights`` / ``lse``."""
+    """One query block, written into the preallocated ``out`` / ``weights`` / ``lse``.
+
+    Without ``row_max`` the softmax skips its max pass: ``exp(s) / sum(exp(s))`` is the
+    softmax whenever no ``exp`` overflows and no row sum is too small for its terms to
+    keep their precision. The row sums (and the output) say whether that held; a block
+    where it did not (large logits, empty or NaN rows, non-finite values) is computed
+    again with the max subtracted, so every row gets the guarded result of ``_core``.
+    Dropout always subtracts the max: a second try would draw its keep-mask twice.
+    """
     lk = call.k_shape[-2]
     cols = (0, lk)
     r = slice(*rows)
     qb = ops.q if rows[1] - rows[0] == call.q_shape[-2] else ops.q[..., r, :]
-    s = np.matmul(qb, np.swapaxes(ops.k, -1, -2))  # a fresh block: ours to edit
+    dtype = qb.dtype
+    s = np.matmul(qb, np.swapaxes(ops.k, -1, -2), out=_scratch(0, (*qb.shape[:-1], lk), dtype))
     if call.softcap is not None:
         np.multiply(s, 1.0 / call.softcap, out=s)
         np.tanh(s, out=s)
@@ -176,20 +195,25 @@ def _block(
         allowed = user if allowed is None else (user & allowed)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
-    # fmax skips NaN (those scores still make their row NaN through exp and the sum):
-    # without NaN checks the row max runs about 1.7x faster than s.max.
-    m = np.fmax.reduce(s, axis=-1, keepdims=True)
     guarded = _core.rows_may_be_empty(call)
-    if guarded:  # rows with no key (max -inf) subtract a finite number: their exps are 0
-        np.maximum(m, np.finfo(m.dtype).min, out=m)
-    np.subtract(s, m, out=s)
+    m = None
+    if row_max or keep is not None:
+        # fmax skips NaN (those scores still make their row NaN through exp and the sum):
+        # without NaN checks the row max runs about 1.7x faster than s.max.
+        m = np.fmax.reduce(s, axis=-1, keepdims=True)
+        if guarded:  # rows with no key (max -inf) subtract a finite number: exps are 0
+            np.maximum(m, np.finfo(dtype).min, out=m)
+        np.subtract(s, m, out=s)
     np.exp(s, out=s)
-    if v_sum is not None:
-        both = np.matmul(s, v_sum)
-        block_sum, total = both[..., :-1], both[..., -1:]
-    else:
-        total = s.sum(axis=-1, keepdims=True)
-    has_key = total != 0 if guarded else None  # NaN rows keep NaN (lse too), as in _core
+    # Row sums as a matrix-vector product: 11 us for [8, 128, 128], s.sum(-1) took 41.
+    total = np.matmul(s, _ones(lk, dtype))
+    if keep is None:
+        sum_shape = (*s.shape[:-1], ops.v.shape[-1])
+        block_sum = np.matmul(s, ops.v, out=_scratch(1, sum_shape, dtype))
+        if m is None and not _sums_in_range(total, block_sum):
+            _block(call, ops, rows, keep, out, weights, lse, row_max=True)
+            return
+    has_key = total != 0 if guarded and m is not None else None  # NaN rows stay NaN
     if has_key is not None:
         total[~has_key] = 1.0
     if weights is not None:
@@ -197,11 +221,70 @@ def _block(
     if keep is not None:
         np.multiply(s, keep(s.shape), out=s)
         np.multiply(s, 1.0 / (1.0 - call.dropout), out=s)
-    if v_sum is None:
         block_sum = np.matmul(s, ops.v)
     np.divide(block_sum, total, out=out[..., r, :])
     if lse is not None:
-        block_lse = np.log(total) + m
+        block_lse = np.log(total) if m is None else np.log(total) + m
         if has_key is not None:
             block_lse[~has_key] = -np.inf
         lse[..., r] = block_lse[..., 0]
+
+
+def _sums_in_range(total: Any, block_sum: Any) -> bool:
+    """Whether ``exp`` without the max pass gave the softmax to full precision.
+
+    Every row sum must be finite (no ``exp`` overflowed, no NaN) and at least the square
+    root of the smallest normal number: then the row's largest term is at least that over
+    ``Lk``, and the terms that ``exp`` rounded to subnormals or zero weigh less than
+    ``Lk * sqrt(tiny)`` (1e-19 for float32) relative to it, below the dtype's resolution,
+    as with the max subtracted. The unnormalised output must be finite too: it can
+    overflow where the row sums are large and V is. (NaN fails every comparison.)
+    """
+    low, high = _RANGE[total.dtype]
+    if total.size and not (total.min() >= low and total.max() <= high):
+        return False
+    return bool(np.isfinite(block_sum).all())
+
+
+_RANGE = {
+    np.dtype(t): (math.sqrt(np.finfo(t).tiny), float(np.finfo(t).max))
+    for t in (np.float32, np.float64)
+}
+_local = threading.local()
+_SCRATCH_MAX_BYTES = 1 << 22
+_ones_cache: dict[tuple[int, Any], Any] = {}
+
+
+def _ones(n: int, dtype: Any) -> Any:
+    """A read-only ``[n, 1]`` column of ones (cached: decode calls ask for it each step)."""
+    key = (n, dtype)
+    ones = _ones_cache.get(key)
+    if ones is None:
+        if len(_ones_cache) >= 64:
+            _ones_cache.clear()
+        ones = np.ones((n, 1), dtype=dtype)
+        ones.flags.writeable = False
+        _ones_cache[key] = ones
+    return ones
+
+
+def _scratch(slot: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A work array of ``shape`` for this thread, reused from call to call up to 4 MiB.
+
+    Fresh arrays cost page faults and, when freed, TLB shootdowns on every core that
+    runs one of the process's threads (a BLAS or OpenMP thread spinning after its call):
+    allocating and freeing 768 KiB took 27 us here, and 180-230 us with OpenBLAS's
+    threads awake, next to a 400 us call. Larger arrays are allocated for the call and
+    not kept, so a thread holds at most 4 MiB per slot.
+    """
+    size = math.prod(shape)
+    dtype = np.dtype(dtype)
+    if size * dtype.itemsize > _SCRATCH_MAX_BYTES:
+        return np.empty(shape, dtype=dtype)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get((slot, dtype))
+    if buf is None or buf.size < size:
+        buf = bufs[slot, dtype] = np.empty(size, dtype=dtype)
+    return buf[:size].reshape(shape)
