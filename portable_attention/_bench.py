@@ -3,8 +3,9 @@
 For each installed backend and shape it prints our time (``attend`` with
 ``implementation="auto"``, the path ``plan()`` names), the anchor's time on the same
 arrays in the same run, the throughput ratio ``anchor_time / our_time`` (>= 1 means we
-are faster), GFLOP/s and the process's peak RSS so far. Times are medians of several
-repetitions after warm-up, alternating ours and the anchor. Anchors: torch SDPA called directly,
+are faster), GFLOP/s and the process's peak RSS so far. Times are medians of 15
+samples after warm-up, alternating ours and the anchor; the ratio is the median of the
+ratios of samples taken side by side. Anchors: torch SDPA called directly,
 ``jax.nn.dot_product_attention`` under ``jax.jit``, and for NumPy the seed-style formula
 (matmul, divide by sqrt(d), subtract max, exp, divide by sum, matmul) and torch SDPA. The NumPy
 rows pause before each sample (``SETTLE_S``): each thread pool's workers spin after its
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,14 +57,18 @@ def _medians(
     anchor: Callable[[], Any],
     *,
     budget: float = 1.0,
-    repeats: int = 9,
+    repeats: int = 15,
     settle: float = 0.0,
-) -> tuple[float, float]:
-    """Median seconds per call of ``ours`` and ``anchor`` after warm-up.
+) -> Timing:
+    """Median seconds per call of ``ours`` and ``anchor`` after warm-up, and the median
+    of the ratios of the samples taken side by side.
 
     Samples alternate between the two (ours, anchor, anchor, ours, ours, ...) so that
     drift in the machine's speed hits both alike and neither always runs first; each
-    sample times a batch of calls, after a pause of ``settle`` seconds where given.
+    sample times a batch of calls, after a pause of ``settle`` seconds where given. The
+    ratio pairs each sample of ours with the anchor's next to it in time: the machine's
+    speed drifts by tens of percent within a minute here, and a ratio of two medians
+    keeps part of that drift where the pairs cancel it.
     """
     n_ours = _calibrate(ours, budget / 2, repeats)
     n_anchor = _calibrate(anchor, budget / 2, repeats)
@@ -78,7 +83,16 @@ def _medians(
             for _ in range(n):
                 fn()
             out.append((time.perf_counter() - start) / n)
-    return statistics.median(samples[0]), statistics.median(samples[1])
+    ratios = [theirs / mine for mine, theirs in zip(*samples, strict=True)]
+    return Timing(
+        statistics.median(samples[0]), statistics.median(samples[1]), statistics.median(ratios)
+    )
+
+
+class Timing(NamedTuple):
+    ours: float  # seconds per call, median
+    anchor: float
+    ratio: float  # anchor / ours, median over pairs of samples taken side by side
 
 
 def _peak_rss_mib() -> float:
@@ -109,17 +123,17 @@ def _cases() -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
 
 
 def _row(
-    backend: str, name: str, path: str, ours: float, anchor: str, theirs: float, flops: float
+    backend: str, name: str, path: str, timing: Timing, anchor: str, flops: float
 ) -> dict[str, Any]:
     return {
         "backend": backend,
         "shape": name,
         "path": path,
-        "ours_ms": ours * 1e3,
+        "ours_ms": timing.ours * 1e3,
         "anchor": anchor,
-        "anchor_ms": theirs * 1e3,
-        "ratio": theirs / ours,
-        "gflops": flops / ours / 1e9,
+        "anchor_ms": timing.anchor * 1e3,
+        "ratio": timing.ratio,
+        "gflops": flops / timing.ours / 1e9,
         "peak_rss_mib": _peak_rss_mib(),
     }
 
@@ -133,13 +147,13 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
         cases.append((name, (q, k, v), plan(q, k, v).path, _flops(qs, kvs)))
     pause = SETTLE_S * min(1.0, budget)  # a quick run (tests) pauses less
     for name, (q, k, v), path, flops in cases:
-        ours, seed = _medians(
+        timing = _medians(
             lambda: attend(q, k, v),  # noqa: B023
             lambda: seed_formula(q, k, v),  # noqa: B023
             budget=budget,
             settle=pause,  # our threads with the BLAS pinned vs the BLAS's own threads
         )
-        rows.append(_row("numpy", name, path, ours, "seed formula", seed, flops))
+        rows.append(_row("numpy", name, path, timing, "seed formula", flops))
     if importlib.util.find_spec("torch") is None:
         return
     import torch
@@ -147,13 +161,13 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
 
     for name, (q, k, v), path, flops in cases:
         tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-        ours, sdpa = _medians(
+        timing = _medians(
             lambda: attend(q, k, v),  # noqa: B023
             lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
             budget=budget,
             settle=pause,
         )
-        rows.append(_row("numpy", name, path, ours, "torch SDPA", sdpa, flops))
+        rows.append(_row("numpy", name, path, timing, "torch SDPA", flops))
 
 
 def _flops(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> float:
@@ -170,12 +184,12 @@ def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
         flops = _flops(qs, kvs)
         with torch.inference_mode():
             path = plan(q, k, v).path
-            ours, sdpa = _medians(
+            timing = _medians(
                 lambda: attend(q, k, v),  # noqa: B023
                 lambda: F.scaled_dot_product_attention(q, k, v),  # noqa: B023
                 budget=budget,
             )
-        rows.append(_row("torch", name, path, ours, "torch SDPA", sdpa, flops))
+        rows.append(_row("torch", name, path, timing, "torch SDPA", flops))
 
 
 def _bench_jax(rows: list[dict[str, Any]], budget: float) -> None:
@@ -192,12 +206,12 @@ def _bench_jax(rows: list[dict[str, Any]], budget: float) -> None:
         q, k, v = (jnp.asarray(x) for x in _inputs(qs, kvs))
         flops = _flops(qs, kvs)
         path = plan(q, k, v).path
-        ours, theirs = _medians(
+        timing = _medians(
             lambda: ours_fn(q, k, v).block_until_ready(),  # noqa: B023
             lambda: anchor_fn(q, k, v).block_until_ready(),  # noqa: B023
             budget=budget,
         )
-        rows.append(_row("jax", name, path + " (jit)", ours, "jax.nn (jit)", theirs, flops))
+        rows.append(_row("jax", name, path + " (jit)", timing, "jax.nn (jit)", flops))
 
 
 BENCHES = {"numpy": _bench_numpy, "torch": _bench_torch, "jax": _bench_jax}
