@@ -34,6 +34,8 @@ import numpy as np
 from portable_attention import attend, plan
 
 SHAPES = [(1, 8, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64)]
+#: The path column of a control row: the anchor timed against itself.
+CONTROL = "control: SDPA itself"
 DECODE = ((1, 8, 1, 64), (1, 8, 512, 64))  # one query against a 512-key cache
 
 
@@ -176,6 +178,8 @@ def _flops(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> float:
 
 
 def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
+    """Each shape against SDPA, then SDPA against itself: the control row's distance from
+    1.00 is the harness's noise on this machine, in the same run."""
     import torch
     import torch.nn.functional as F
 
@@ -184,12 +188,11 @@ def _bench_torch(rows: list[dict[str, Any]], budget: float) -> None:
         flops = _flops(qs, kvs)
         with torch.inference_mode():
             path = plan(q, k, v).path
-            timing = _medians(
-                lambda: attend(q, k, v),  # noqa: B023
-                lambda: F.scaled_dot_product_attention(q, k, v),  # noqa: B023
-                budget=budget,
-            )
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: B023, E731
+            timing = _medians(lambda: attend(q, k, v), sdpa, budget=budget)  # noqa: B023
+            control = _medians(sdpa, sdpa, budget=budget)
         rows.append(_row("torch", name, path, timing, "torch SDPA", flops))
+        rows.append(_row("torch", name, CONTROL, control, "torch SDPA", flops))
 
 
 def _bench_jax(rows: list[dict[str, Any]], budget: float) -> None:
@@ -262,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['gflops']:>8.1f} {r['peak_rss_mib']:>12.0f}"
         )
     print("ratio = anchor time / our time (>= 1: attend is at least as fast)")
+    if any(r["path"] == CONTROL for r in rows):
+        print(f"{CONTROL!r} rows time SDPA against itself: their distance from 1 is the noise")
     result: dict[str, Any] = {"rows": rows}
     if args.memory:
         mem = _memory_case()

@@ -35,6 +35,9 @@ def test_bench_reports_every_installed_backend(
         assert r["ours_ms"] > 0 and r["anchor_ms"] > 0
         assert r["ratio"] > 0  # the median of paired ratios: see the test below
         assert r["path"]
+    if "torch" in backends:  # each torch shape also times SDPA against itself
+        controls = [r for r in rows if r["path"] == _bench.CONTROL]
+        assert len(controls) == len([r for r in rows if r["backend"] == "torch"]) // 2
     assert "ratio = anchor time / our time" in capsys.readouterr().out
 
 
