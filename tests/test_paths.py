@@ -209,6 +209,22 @@ def test_numpy_softmax_without_max_pass_or_with_it(dtype: str, case: str, lq: in
     )
 
 
+@requires_backend("numpy")
+def test_numpy_kernel_takes_longdouble() -> None:
+    """NumPy's extended precision (not an array-API dtype, but a NumPy array) runs the
+    kernel in that precision, large row offsets included."""
+    rng = rng_for("longdouble")
+    q, k, v = (randn(rng, (1, 2, n, 8)).astype(np.longdouble) for n in (6, 9, 9))
+    bias = np.asarray([[0.0], [900.0], [-900.0], [0.0], [20000.0], [0.0]], dtype=np.longdouble)
+    out, lse = attend(q, k, v, bias=np.broadcast_to(bias, (6, 9)).copy(), return_lse=True)
+    assert out.dtype == lse.dtype == np.longdouble
+    ref_out, _, ref_lse = oracle.attention(q, k, v)
+    assert_close(out.astype(np.float64), ref_out, "float64")
+    assert_close(
+        lse.astype(np.float64) - bias[:, 0].astype(np.float64), ref_lse, "float64", what="lse"
+    )
+
+
 @requires_backend("torch")
 def test_torch_fused_gqa_lower_right_and_empty_rows() -> None:
     """SDPA with enable_gqa, lower-right causal for Lq > Lk (first rows see no key)."""

@@ -85,7 +85,7 @@ _pin_restore: list[tuple[Any, int]] = []
 
 @contextlib.contextmanager
 def _blas_pinned(blas: Any) -> Iterator[None]:
-    """The BLAS on one thread while any call runs.
+    """The BLAS on one thread while any threaded call runs.
 
     The limit is process-wide: with one limit per call, concurrent calls restored each
     other's limits out of order and left the BLAS on 1 thread for good. The first call
@@ -240,16 +240,25 @@ def _sums_in_range(total: Any, block_sum: Any) -> bool:
     as with the max subtracted. The unnormalised output must be finite too: it can
     overflow where the row sums are large and V is. (NaN fails every comparison.)
     """
-    low, high = _RANGE[total.dtype]
+    low, high = _range(total.dtype)
     if total.size and not (total.min() >= low and total.max() <= high):
         return False
     return bool(np.isfinite(block_sum).all())
 
 
-_RANGE = {
-    np.dtype(t): (math.sqrt(np.finfo(t).tiny), float(np.finfo(t).max))
-    for t in (np.float32, np.float64)
-}
+_RANGES: dict[Any, tuple[Any, Any]] = {}
+
+
+def _range(dtype: Any) -> tuple[Any, Any]:
+    """``(sqrt(tiny), max)`` of a floating dtype, as scalars of that dtype (longdouble's
+    tiny is 0 as a Python float)."""
+    bounds = _RANGES.get(dtype)
+    if bounds is None:
+        info = np.finfo(dtype)
+        bounds = _RANGES[dtype] = (np.sqrt(info.tiny), info.max)
+    return bounds
+
+
 _local = threading.local()
 _SCRATCH_MAX_BYTES = 1 << 22
 _ones_cache: dict[tuple[int, Any], Any] = {}
