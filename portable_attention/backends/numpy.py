@@ -175,7 +175,8 @@ def _block(
     keep their precision. The row sums (and the output) say whether that held; a block
     where it did not (large logits, empty or NaN rows, non-finite values) is computed
     again with the max subtracted, so every row gets the guarded result of ``_core``.
-    Dropout always subtracts the max: a second try would draw its keep-mask twice.
+    Blocks whose mask leaves a row empty, and dropout (a second try would draw its
+    keep-mask twice), subtract the max from the start.
     """
     lk = call.k_shape[-2]
     cols = (0, lk)
@@ -195,6 +196,9 @@ def _block(
         allowed = user if allowed is None else (user & allowed)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
+        # A row with no key would fail the row sums' check: go straight to the max pass
+        # (a pass over the booleans, against a second pass over the scores).
+        row_max = row_max or not allowed.any(axis=-1).all()
     guarded = _core.rows_may_be_empty(call)
     m = None
     if row_max or keep is not None:
