@@ -49,9 +49,10 @@ def _calibrate(fn: Callable[[], Any], budget: float, repeats: int) -> int:
 
 #: Pause before each sample when ours and the anchor run on different thread pools:
 #: OpenBLAS's and torch's OpenMP worker threads spin for a while after a call, taking the
-#: other's cores (SDPA ran 2-3x slower right after NumPy calls here). NumPy's kernel runs
-#: its own threads with the BLAS pinned to one, the seed formula the BLAS's threads.
-SETTLE_S = 0.15
+#: other's cores (SDPA ran 2-3x slower right after NumPy calls here). OpenBLAS's workers
+#: spin for 2**28 TSC cycles by default, 0.12 s at this machine's 2.3 GHz: with a 0.15 s
+#: pause, SDPA still read 0.31-0.36 ms instead of 0.21 in 2 of 9 runs.
+SETTLE_S = 0.3
 
 
 def _medians(
