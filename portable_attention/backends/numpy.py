@@ -7,11 +7,11 @@ the softmax's max pass skipped where the row sums show it was not needed (see
 :func:`_block`), the row sums taken by a matrix-vector product, the division done on
 ``[Lq, Dv]`` instead of ``[Lq, Lk]``, and query blocks of bounded size.
 
-Threads: for calls of 4M scores and more, when ``threadpoolctl`` is installed, query
-blocks run on all cores (this thread and a pool) with the BLAS pinned to one thread for
-the duration of the call; NumPy releases the GIL in matmul and ufuncs, so the
-elementwise passes run in parallel too. Smaller calls, and all calls without
-threadpoolctl, run on this thread with the BLAS's own threads: waking a pool thread
+Threads: for calls of 4M scores and more, when ``threadpoolctl`` is installed and finds
+the BLAS, query blocks run on all cores (this thread and a pool) with the BLAS pinned to
+one thread for the duration of the call; NumPy releases the GIL in matmul and ufuncs, so
+the elementwise passes run in parallel too. Smaller calls, and all calls where the BLAS
+cannot be pinned, run on this thread with the BLAS's own threads: waking a pool thread
 and handing the GIL back and forth cost more than it gave below that size here (at
 ``[1, 8, 512, 512]`` scores, 8.2 ms threaded against 5.7 ms), and Python threads on top
 of a threaded OpenBLAS oversubscribe the cores (measured 10-100x slower).
@@ -64,8 +64,8 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _blas_controller() -> Any:
-    """The BLAS libraries' threadpoolctl controllers (a tuple, empty when none is loaded),
-    or None without threadpoolctl."""
+    """The BLAS libraries' threadpoolctl controllers (a tuple, empty when threadpoolctl
+    finds none: then the kernel runs no threads of its own), or None without it."""
     global _blas
     if _blas is None:
         try:
