@@ -7,17 +7,25 @@ from typing import Any
 
 from portable_attention import _core
 from portable_attention._plan import CHUNKED, Plan, choose
-from portable_attention._validate import Call, call_key, check_implementation, validate_call
+from portable_attention._validate import (
+    Call,
+    call_key,
+    check_implementation,
+    memoisable,
+    validate_call,
+)
 from portable_attention.backends import adapter
 
 #: Runs a validated call: ``run(q, k, v, mask, bias, rng) -> attend's result``.
 Runner = Callable[[Any, Any, Any, Any, Any, Any], Any]
+#: A fused kernel with every option bound: ``kernel(q, k, v) -> out``.
+Kernel = Callable[[Any, Any, Any], Any]
 
 #: Validated calls and their runners by the type of ``q``, then by :func:`call_key`: a
 #: repeated call (same types, shapes, dtypes, devices and options) skips validation and
 #: planning. Never data. One dict per array type: ``torch.compile`` traces the lookup and
 #: cannot compare other frameworks' keys (NumPy dtypes) with its own.
-_calls: dict[type, dict[Any, tuple[Call, Runner]]] = {}
+_calls: dict[type, dict[Any, tuple[Call, Runner | None, Kernel | None]]] = {}
 #: Entries per array type; a full memo is cleared.
 _CALLS_MAX = 4096
 
@@ -119,7 +127,10 @@ def attend(
     )
     key = call_key(q, k, v, mask, bias, options)
     memo = _calls.get(type(q)) if key is not None else None
-    known = memo.get(key) if memo is not None else None
+    try:
+        known = memo.get(key) if memo is not None else None
+    except Exception:  # an unhashable option (a list as window, a traced scale)
+        key = known = None
     if known is None:
         call = validate_call(
             q,
@@ -138,34 +149,37 @@ def attend(
             return_lse=return_lse,
         )
         path = choose(call, check_implementation(implementation)).path
-        known = (call, _runner(call, path))
-        if key is not None:
+        known = (call, *_runner(call, path))
+        if key is not None and memoisable(key):
             memo = _calls.setdefault(type(q), {})
             if len(memo) >= _CALLS_MAX:
                 memo.clear()
             memo[key] = known
-    return known[1](q, k, v, mask, bias, rng)
+    if known[2] is not None:
+        return known[2](q, k, v)
+    return known[1](q, k, v, mask, bias, rng)  # type: ignore[misc]
 
 
-def _runner(call: Call, path: str) -> Runner:
-    """The function that runs ``call`` on ``path``, built once per memo entry.
+def _runner(call: Call, path: str) -> tuple[Runner | None, Kernel | None]:
+    """The function that runs ``call`` on ``path``, built once per memo entry: a fused
+    kernel of ``(q, k, v)`` alone where the adapter can bind everything else (one Python
+    call less), else a runner of all the arguments (None in the other slot).
 
     Everything that depends only on the call (the adapter, the path, the kernel's fixed
     arguments) is bound here, so a repeated call pays for the kernel and little else.
     """
     backend = adapter(call.backend)
     if path.startswith("fused"):
-        # A kernel of (q, k, v) alone, where the adapter can bind everything else.
         prepare = getattr(backend, "prepare_fused", None)
         kernel = prepare(call) if prepare is not None and not call.seeded else None
         if kernel is not None:
-            return lambda q, k, v, mask, bias, rng: kernel(q, k, v)
+            return None, kernel
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
             return backend.run_fused(call, q, k, v, mask, bias)
 
-        return run_fused
+        return run_fused, None
 
     if path.startswith("native"):
         native = backend.run_native
@@ -173,7 +187,7 @@ def _runner(call: Call, path: str) -> Runner:
         def run_native(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             return _pack(call, *native(call, q, k, v, mask, bias, _keep_mask(call, rng)))
 
-        return run_native
+        return run_native, None
 
     def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
         keep = _keep_mask(call, rng)
@@ -182,7 +196,7 @@ def _runner(call: Call, path: str) -> Runner:
             return _pack(call, out, None, lse)
         return _pack(call, *_core.dense(call, q, k, v, mask, bias, keep))
 
-    return run
+    return run, None
 
 
 def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:

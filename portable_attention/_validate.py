@@ -119,6 +119,7 @@ def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
     info = (xp, backend, get_device)
     if not (backend == "jax" and type(x).__module__ == "numpy"):  # JAX's float0 gradients
         _KEYS[type(x)] = _KEY_GETTERS.get(backend) or _generic_key(get_device)
+        _QKV_KEYS[type(x)] = _QKV_KEY_GETTERS.get(backend) or _generic_qkv_key(get_device)
         _TYPES[type(x)] = info
     return info
 
@@ -130,20 +131,69 @@ def _torch_key(x: Any) -> tuple[Any, ...]:
     return (x.shape, x.dtype, x.device, x.layout)
 
 
+def _torch_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
+    # Flat: one tuple to build and hash. (The layout as in _torch_key.)
+    return (
+        type(k),
+        type(v),
+        q.shape,
+        q.dtype,
+        q.device,
+        q.layout,
+        k.shape,
+        k.dtype,
+        k.device,
+        k.layout,
+        v.shape,
+        v.dtype,
+        v.device,
+        v.layout,
+    )
+
+
+def _numpy_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
+    return (type(k), type(v), q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype)
+
+
 #: What of an array enters the call memo's key, by type (filled with ``_TYPES``): its
-#: shape, dtype and device, in one step. A repeated torch call sits right after a kernel
-#: that has flushed the caches, where every Python step of the key costs (the memo went
-#: from about 7 to 6 us over SDPA with these and a flat key, torch decode).
+#: shape, dtype and device (mask and bias), and the same of q, k and v in one flat tuple
+#: by the type of q (``type(k)`` and ``type(v)`` in it). A repeated torch call sits right
+#: after a kernel that has flushed the caches, where every Python step of the key costs:
+#: one getter for q, k and v took torch decode from about 0.87 to 0.91 of SDPA's speed.
 _KEYS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 _KEY_GETTERS: dict[str, Callable[[Any], tuple[Any, ...]]] = {
     "numpy": operator.attrgetter("shape", "dtype"),  # always on the CPU
     "torch": _torch_key,
+}
+_QKV_KEYS: dict[type, Callable[[Any, Any, Any], tuple[Any, ...]]] = {}
+_QKV_KEY_GETTERS: dict[str, Callable[[Any, Any, Any], tuple[Any, ...]]] = {
+    "numpy": _numpy_qkv_key,
+    "torch": _torch_qkv_key,
 }
 
 
 def _generic_key(get_device: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
     def key(x: Any) -> tuple[Any, ...]:
         return (x.shape, x.dtype, get_device(x))
+
+    return key
+
+
+def _generic_qkv_key(get_device: Callable[[Any], Any]) -> Callable[[Any, Any, Any], Any]:
+    def key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
+        return (
+            type(k),
+            type(v),
+            q.shape,
+            q.dtype,
+            get_device(q),
+            k.shape,
+            k.dtype,
+            get_device(k),
+            v.shape,
+            v.dtype,
+            get_device(v),
+        )
 
     return key
 
@@ -588,33 +638,39 @@ def _typed(option: object) -> object:
 
 
 def call_key(q: Any, k: Any, v: Any, mask: Any, bias: Any, options: tuple[Any, ...]) -> Any:
-    """A hashable key that determines the :class:`Call` of these arguments, given the
-    type of ``q`` (the memo keeps one dict per type), or None.
+    """A key that determines the :class:`Call` of these arguments, given the type of
+    ``q`` (the memo keeps one dict per type), or None where an array's type is not yet
+    validated or its key cannot be read.
 
     Built from array types, shapes, dtypes and devices and from the option values with
-    their types (``causal=1`` must not hit the entry of ``causal=True``). None where any
-    part is unhashable or unknown (a type not yet validated, lists, traced values):
-    such calls are validated in full.
+    their types (``causal=1`` must not hit the entry of ``causal=True``). The key may be
+    unhashable (a list as ``window``): the lookup fails and the call is validated in
+    full. Only keys that :func:`memoisable` accepts are stored, so a lookup never
+    compares options of other types: the types come first in the key.
     """
     try:
         types = tuple(map(type, options))
-        if not _KEYABLE_TYPES.issuperset(types):  # tuples (window) and anything else
+        if tuple in types:  # window=(left, right): the types of its sides count too
             options, types = tuple(map(_typed, options)), ()
-        key = (
-            type(k),
-            type(v),
-            _KEYS[type(q)](q),
-            _KEYS[type(k)](k),
-            _KEYS[type(v)](v),
+        return (
+            types,
+            options,
+            _QKV_KEYS[type(q)](q, k, v),
             None if mask is None else _signature(mask),
             None if bias is None else _signature(bias),
-            options,
-            types,
         )
-        hash(key)
     except Exception:  # anything unusual is validated in full
         return None
-    return key
+
+
+def memoisable(key: Any) -> bool:
+    """Whether a call of ``key`` may be memoised: hashable, with options of builtin types
+    only (a tensor as ``scale`` hashes by identity but can change in place)."""
+    try:
+        hash(key)
+    except Exception:
+        return False
+    return _KEYABLE_TYPES.issuperset(key[0])
 
 
 def rng_type_error(backend: str, expected: str, rng: object) -> TypeError:

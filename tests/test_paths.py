@@ -332,6 +332,19 @@ def test_repeated_calls_revalidate_option_types(backend: Backend) -> None:
         attend(q, k, v, causal=True, window=(2, True))
 
 
+def test_unhashable_options_are_validated_each_call(backend: Backend) -> None:
+    """A list as ``window`` cannot key the memo: the lookup fails (after memoised calls
+    of the same arrays) and the call is validated and run in full, every time."""
+    q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
+    expected = backend.to_numpy(attend(q, k, v, window=(2, 1)))
+    attend(q, k, v, window=(2, 1))  # memoised now
+    for _ in range(2):
+        out = attend(q, k, v, window=[2, 1])
+        np.testing.assert_array_equal(backend.to_numpy(out), expected)
+    with pytest.raises(ValueError, match="`window`"):
+        attend(q, k, v, window=[2, -1])
+
+
 def test_repeated_calls_see_new_shapes_and_dtypes(backend: Backend) -> None:
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
     for _ in range(2):
