@@ -3,13 +3,14 @@
 For each installed backend and shape it prints our time (``attend`` with
 ``implementation="auto"``, the path ``plan()`` names), the anchor's time on the same
 arrays in the same run, the throughput ratio ``anchor_time / our_time`` (>= 1 means we
-are faster), GFLOP/s and the process's peak RSS so far. Times are medians of 15
-samples after warm-up, alternating ours and the anchor; the ratio is the median of the
-ratios of samples taken side by side. Anchors: torch SDPA called directly,
-``jax.nn.dot_product_attention`` under ``jax.jit``, and for NumPy the seed-style formula
-(matmul, divide by sqrt(d), subtract max, exp, divide by sum, matmul) and torch SDPA. The NumPy
-rows pause before each sample (``SETTLE_S``): each thread pool's workers spin after its
-calls and would otherwise slow the other down.
+are faster), GFLOP/s and the process's peak RSS so far. Times are medians of 15 samples
+after warm-up, alternating ours and the anchor, each sample the median of a batch of
+calls timed one by one; the ratio is the median of the ratios of samples taken side by
+side. Anchors: torch SDPA called directly, ``jax.nn.dot_product_attention`` under
+``jax.jit``, and for NumPy the seed-style formula (matmul, divide by sqrt(d), subtract
+max, exp, divide by sum, matmul) and torch SDPA. The NumPy rows pause before each sample
+(``SETTLE_S``): each thread pool's workers spin after its calls and would otherwise slow
+the other down; untimed calls (``WARM_S``) follow each pause.
 
 ``--memory`` runs NumPy at ``B=1, H=8, L=16384, D=64`` float32 in a subprocess and
 reports its peak RSS (``VmHWM``: ``ru_maxrss`` would carry the parent's peak over exec).
@@ -53,6 +54,11 @@ def _calibrate(fn: Callable[[], Any], budget: float, repeats: int) -> int:
 #: spin for 2**28 TSC cycles by default, 0.12 s at this machine's 2.3 GHz: with a 0.15 s
 #: pause, SDPA still read 0.31-0.36 ms instead of 0.21 in 2 of 9 runs.
 SETTLE_S = 0.3
+#: Untimed calls for this long after each pause: after 0.3 s idle, this VM's host woke
+#: torch's threads slowly for many calls (SDPA at 128 read 0.25-0.30 ms instead of 0.22,
+#: and at decode 0.12-0.15 ms instead of 0.04, in a third of runs); one untimed call did
+#: not cure it, 0.05 s of calls did in every run tried.
+WARM_S = 0.05
 
 
 def _medians(
@@ -62,16 +68,21 @@ def _medians(
     budget: float = 1.0,
     repeats: int = 15,
     settle: float = 0.0,
+    warm: float = 0.0,
 ) -> Timing:
     """Median seconds per call of ``ours`` and ``anchor`` after warm-up, and the median
     of the ratios of the samples taken side by side.
 
     Samples alternate between the two (ours, anchor, anchor, ours, ours, ...) so that
     drift in the machine's speed hits both alike and neither always runs first; each
-    sample times a batch of calls, after a pause of ``settle`` seconds where given. The
-    ratio pairs each sample of ours with the anchor's next to it in time: the machine's
-    speed drifts by tens of percent within a minute here, and a ratio of two medians
-    keeps part of that drift where the pairs cancel it.
+    sample times a batch of calls one by one and takes their median. Where ``settle`` is
+    given, each sample starts with a pause of that many seconds, then ``warm`` seconds
+    of untimed calls (at least one). After an idle pause this VM's host stalls single
+    calls by 4-14 ms (SDPA at 128: 0.22 ms calls, one of 5,000-15,000 us in the first
+    few of a batch), and a batch's mean made SDPA read 0.5-1.7 ms in a third of runs.
+    The ratio pairs each sample of ours with the anchor's next to it in time: the
+    machine's speed drifts by tens of percent within a minute here, and a ratio of two
+    medians keeps part of that drift where the pairs cancel it.
     """
     n_ours = _calibrate(ours, budget / 2, repeats)
     n_anchor = _calibrate(anchor, budget / 2, repeats)
@@ -81,11 +92,16 @@ def _medians(
         for fn, n, out in pair if i % 2 == 0 else pair[::-1]:  # neither always goes first
             if settle:
                 time.sleep(settle)
-                fn()  # the first call after a pause wakes threads: not timed, for both
-            start = time.perf_counter()
-            for _ in range(n):
+                end = time.perf_counter() + warm
                 fn()
-            out.append((time.perf_counter() - start) / n)
+                while time.perf_counter() < end:
+                    fn()
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out.append(statistics.median(times))
     ratios = [theirs / mine for mine, theirs in zip(*samples, strict=True)]
     return Timing(
         statistics.median(samples[0]), statistics.median(samples[1]), statistics.median(ratios)
@@ -148,13 +164,14 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
     for name, qs, kvs in _cases():
         q, k, v = _inputs(qs, kvs)
         cases.append((name, (q, k, v), plan(q, k, v).path, _flops(qs, kvs)))
-    pause = SETTLE_S * min(1.0, budget)  # a quick run (tests) pauses less
+    pause, warm = (x * min(1.0, budget) for x in (SETTLE_S, WARM_S))  # tests: shorter
     for name, (q, k, v), path, flops in cases:
         timing = _medians(
             lambda: attend(q, k, v),  # noqa: B023
             lambda: seed_formula(q, k, v),  # noqa: B023
             budget=budget,
             settle=pause,  # our threads with the BLAS pinned vs the BLAS's own threads
+            warm=warm,
         )
         rows.append(_row("numpy", name, path, timing, "seed formula", flops))
     if importlib.util.find_spec("torch") is None:
@@ -169,6 +186,7 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
             lambda: F.scaled_dot_product_attention(tq, tk, tv),  # noqa: B023
             budget=budget,
             settle=pause,
+            warm=warm,
         )
         rows.append(_row("numpy", name, path, timing, "torch SDPA", flops))
 

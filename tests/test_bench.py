@@ -41,6 +41,30 @@ def test_bench_reports_every_installed_backend(
     assert "ratio = anchor time / our time" in capsys.readouterr().out
 
 
+def test_a_stalled_call_does_not_move_its_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a pause, this VM's host stalls single calls for milliseconds: each sample is
+    the median of its calls, so one stalled call per sample of the anchor (here 100x)
+    leaves the ratio exact (each batch's mean read the anchor 14x slower here)."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def call(cost: float, ours: bool) -> None:
+        clock["calls"] += 1
+        stalled = not ours and clock["calls"] % 8 == 0
+        clock["now"] += cost * (100.0 if stalled else 1.0)
+
+    monkeypatch.setattr(_bench.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(_bench.time, "sleep", lambda seconds: None)
+    timing = _bench._medians(
+        lambda: call(0.004, ours=True),
+        lambda: call(0.001, ours=False),
+        budget=1.0,
+        repeats=5,
+        settle=0.3,
+    )
+    assert timing.anchor == pytest.approx(0.001)
+    assert timing.ratio == pytest.approx(0.25)
+
+
 def test_ratio_pairs_samples_taken_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a clock whose speed drifts from pair to pair of samples, with one sample of ours
     disturbed, the median of the paired ratios stays exact where the ratio of the two
