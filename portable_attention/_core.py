@@ -69,7 +69,11 @@ def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int) -> An
     return xp.reshape(x, (*lead, *heads, lq, lk))
 
 
-def operands(call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Operands:
+def operands(
+    call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, *, q_factor: float | None = None
+) -> Operands:
+    """q, k, v, mask and bias as the kernels take them: in the compute dtype, q times
+    ``q_factor`` (default: the call's scale), heads grouped, mask and bias padded."""
     xp, ct = call.xp, call.compute_dtype
     if len(call.q_shape) == 2:  # one implicit head
         q, k, v = (xp.reshape(x, (1, *x.shape)) for x in (q, k, v))
@@ -78,7 +82,7 @@ def operands(call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Operan
     ndim = q.ndim
     if q.dtype != ct:  # half precision: computed in float32 (the check saves a call)
         q, k, v = (xp.astype(x, ct) for x in (q, k, v))
-    qc = q * call.scale
+    qc = q * (call.scale if q_factor is None else q_factor)
     if bias is not None:
         bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct, copy=False)
     if mask is not None:

@@ -191,13 +191,18 @@ _OFFSETS = {
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", ["fast", "beyond", "under", "huge_v"])
 @pytest.mark.parametrize("lq", [40, 300], ids=["one_block", "blocks"])
+@pytest.mark.parametrize("offset_by", ["bias", "q"])
 def test_numpy_softmax_without_max_pass_or_with_it(
-    dtype: str, case: str, lq: int, monkeypatch: pytest.MonkeyPatch
+    dtype: str, case: str, lq: int, offset_by: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The NumPy kernel's softmax skips the row max where the row sums allow it, and
     falls back where they do not: every row matches the oracle either way, lse included,
     and NumPy warns of nothing (the overflow of a first try is not the caller's).
-    "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division."""
+    "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division.
+
+    The row offsets come from a bias, or from one more feature of q and k (q holds the
+    offset, k holds 1, scale=1): float32 without a bias takes the kernel's ``exp2``
+    path, with one its ``exp`` path."""
     rng = rng_for("no-max-pass", dtype, case, lq)
     q, k, v = (randn(rng, (1, 4, n, 16)).astype(dtype) for n in (lq, 50, 50))
     offsets = _OFFSETS[dtype]["fast" if case == "huge_v" else case]
@@ -212,10 +217,16 @@ def test_numpy_softmax_without_max_pass_or_with_it(
         monkeypatch.setattr(numpy_backend, "_BLOCK_ELEMENTS", 4 * 50 * 64)
         bias = np.where(np.arange(lq)[:, None] < 150, bias, np.zeros_like(bias))
         row_offset = bias[:, :1]
-    assert plan(q, k, v, bias=bias).path == "native:numpy"
+    if offset_by == "bias":
+        args: dict[str, Any] = {"q": q, "k": k, "v": v, "bias": bias}
+    else:  # scores = (q / 4) @ k^T + offset, as the default scale 1/sqrt(16) gives with bias
+        q_off = np.concatenate([q / 4, np.broadcast_to(row_offset, (1, 4, lq, 1))], axis=-1)
+        k_one = np.concatenate([k, np.ones((1, 4, 50, 1), dtype=dtype)], axis=-1)
+        args = {"q": q_off.astype(dtype), "k": k_one, "v": v, "scale": 1.0}
+    assert plan(**args).path == "native:numpy"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out, lse = attend(q, k, v, bias=bias, return_lse=True)
+        out, lse = attend(**args, return_lse=True)
     ref_out, _, ref_lse = oracle.attention(q, k, v)
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
     assert_close(out.astype(np.float64) / v_scale, ref_out / v_scale, dtype)
