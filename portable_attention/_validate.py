@@ -159,7 +159,7 @@ def _numpy_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
 #: shape, dtype and device (mask and bias), and the same of q, k and v in one flat tuple
 #: by the type of q (``type(k)`` and ``type(v)`` in it). A repeated torch call sits right
 #: after a kernel that has flushed the caches, where every Python step of the key costs:
-#: one getter for q, k and v took torch decode from about 0.87 to 0.91 of SDPA's speed.
+#: right after SDPA, one getter for q, k and v took 1.6-2.2 us where three took 1.8-2.7.
 _KEYS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 _KEY_GETTERS: dict[str, Callable[[Any], tuple[Any, ...]]] = {
     "numpy": operator.attrgetter("shape", "dtype"),  # always on the CPU

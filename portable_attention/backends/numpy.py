@@ -189,7 +189,7 @@ def _block(
     dtype = qb.dtype
     s = np.matmul(qb, np.swapaxes(ops.k, -1, -2), out=_scratch(0, (*qb.shape[:-1], lk), dtype))
     base2 = _base2(call)
-    if call.softcap is not None:  # tanh of the natural-log scores, back in q's units
+    if call.softcap is not None:  # tanh of the scores in natural units, then back to s's
         np.multiply(s, (_LN2 if base2 else 1.0) / call.softcap, out=s)
         np.tanh(s, out=s)
         np.multiply(s, call.softcap * (_LOG2E if base2 else 1.0), out=s)
