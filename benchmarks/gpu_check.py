@@ -2,10 +2,22 @@
 
     python benchmarks/gpu_check.py
 
-For torch CUDA (float16/bfloat16/float32), JAX on GPU and CuPy: which path ``plan()``
-picks, agreement of that path with the portable path (max abs error), rows with no key
-giving exactly 0, and the ratio of our time to each anchor (torch SDPA, jax.nn with
-cudnn). Prints one line per check and exits 1 on any disagreement.
+For torch CUDA (float16/bfloat16/float32), JAX on GPU and CuPy: that ``plan()`` picks the
+fused path (and, for JAX in float16/bfloat16, that the compiled program calls cuDNN's
+attention), agreement of that path with the portable path (max abs error), rows with no
+key giving exactly 0, and the ratio of each anchor's time to ours (torch SDPA, jax.nn
+with cudnn), as in ``python -m portable_attention bench``. Prints one line per check; a
+section that raises is reported as a failure and the others still run. Exits 1 on any
+failure, 2 where no check ran (no GPU found).
+
+On the project's lent device machine (torch, jax, cupy and numpy installed, but not
+array-api-compat), from the repository root, with the wheel downloaded here first
+(``pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl
+array-api-compat``) and ``.whl`` carried::
+
+    set -o pipefail; pip install --no-deps .whl/array_api_compat-*.whl &&
+        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py 2>&1 |
+        tee $OUT/gpu_check.log
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +36,7 @@ from portable_attention import attend, plan
 SHAPES = [(1, 8, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64)]
 TOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}
 failures: list[str] = []
+passed: list[str] = []
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], Any], repeats: int = 20) -> float:
@@ -40,34 +54,58 @@ def timed(fn: Callable[[], Any], sync: Callable[[], Any], repeats: int = 20) -> 
 def check(name: str, err: float, tol: float, extra: str = "") -> None:
     ok = err <= tol
     print(f"{'ok  ' if ok else 'FAIL'} {name}: max abs err {err:.2e} (tol {tol}) {extra}")
-    if not ok:
+    (passed if ok else failures).append(name)
+
+
+def expect(name: str, ok: bool, detail: str) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    (passed if ok else failures).append(name)
+
+
+def section(name: str, fn: Callable[[], None]) -> None:
+    """Run one backend's checks; an exception fails that section, not the script."""
+    try:
+        fn()
+    except Exception as err:  # report and go on: device time is scarce
+        traceback.print_exc()
+        print(f"FAIL {name}: {type(err).__name__}: {err}")
         failures.append(name)
 
 
 def torch_cuda() -> None:
     import torch
-    import torch.nn.functional as F
 
     if not torch.cuda.is_available():
         print("torch: no CUDA device")
         return
+    torch_checks("cuda", SHAPES, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
+
+
+def torch_checks(
+    device: str, shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], sync: Callable[[], Any]
+) -> None:
+    """The torch checks on ``device`` (the tests run them on the CPU, small)."""
+    import torch
+    import torch.nn.functional as F
+
     rng = np.random.default_rng(0)
-    for dtype in ("float16", "bfloat16", "float32"):
+    for dtype in dtypes:
         dt = getattr(torch, dtype)
-        for shape in SHAPES:
+        for shape in shapes:
             q, k, v = (
-                torch.tensor(rng.standard_normal(shape), dtype=dt, device="cuda") for _ in range(3)
+                torch.tensor(rng.standard_normal(shape), dtype=dt, device=device) for _ in range(3)
             )
             for kw in ({}, {"causal": True}):
                 p = plan(q, k, v, **kw)
+                expect(f"torch {dtype} {shape} {kw} path", p.path == "fused:torch", p.path)
                 out = attend(q, k, v, **kw)
                 ref = attend(q, k, v, implementation="portable", **kw)
                 err = float((out.float() - ref.float()).abs().max())
-                ours = timed(lambda: attend(q, k, v, **kw), torch.cuda.synchronize)  # noqa: B023
+                ours = timed(lambda: attend(q, k, v, **kw), sync)  # noqa: B023
                 is_causal = bool(kw)
                 anchor = timed(
                     lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),  # noqa: B023
-                    torch.cuda.synchronize,
+                    sync,
                 )
                 check(
                     f"torch {dtype} {shape} {kw} [{p.path}]",
@@ -75,30 +113,42 @@ def torch_cuda() -> None:
                     TOL[dtype],
                     f"ratio {anchor / ours:.2f}",
                 )
-    mask = torch.zeros(4, 6, dtype=torch.bool, device="cuda")
+    mask = torch.zeros(4, 6, dtype=torch.bool, device=device)
     mask[0] = True
-    q = torch.randn(1, 2, 4, 8, device="cuda", dtype=torch.float16)
+    q = torch.randn(1, 2, 4, 8, device=device, dtype=getattr(torch, dtypes[0]))
     out = attend(q, q[:, :, :1].expand(1, 2, 6, 8), q[:, :, :1].expand(1, 2, 6, 8), mask=mask)
     check("torch fully-masked rows are 0", float(out[:, :, 1:].abs().max()), 0.0)
 
 
 def jax_gpu() -> None:
     import jax
-    import jax.numpy as jnp
 
     if jax.default_backend() != "gpu":
         print("jax: no GPU backend")
         return
+    jax_checks(SHAPES, ("float16", "bfloat16", "float32"), "fused:jax")
+
+
+def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str) -> None:
+    """The JAX checks on the default device, expecting ``path`` from ``plan()`` (the tests
+    run them on the CPU, small); on a GPU, half precision must call cuDNN."""
+    import jax
+    import jax.numpy as jnp
+
     rng = np.random.default_rng(0)
-    for dtype in ("float16", "bfloat16", "float32"):
-        for shape in SHAPES:
+    for dtype in dtypes:
+        for shape in shapes:
             q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype=dtype) for _ in range(3))
             p = plan(q, k, v)
+            expect(f"jax {dtype} {shape} path", p.path == path, p.path)
             ours_fn = jax.jit(lambda a, b, c: attend(a, b, c))
+            if dtype != "float32" and jax.default_backend() == "gpu":  # cuDNN: half only
+                hlo = ours_fn.lower(q, k, v).compile().as_text().lower()
+                expect(f"jax {dtype} {shape} cudnn", "cudnn" in hlo, "cuDNN call in the HLO")
             ref = attend(q, k, v, implementation="portable")
             err = float(jnp.max(jnp.abs(ours_fn(q, k, v).astype(float) - ref.astype(float))))
             btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-            impl = "cudnn" if dtype != "float32" else None
+            impl = "cudnn" if dtype != "float32" and jax.default_backend() == "gpu" else None
             anchor_fn = jax.jit(
                 lambda a, b, c, impl=impl: jax.nn.dot_product_attention(
                     a, b, c, implementation=impl
@@ -112,22 +162,41 @@ def jax_gpu() -> None:
 def cupy_via_torch() -> None:
     import cupy
 
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        devices = 0
+    if not devices:
+        print("cupy: no CUDA device")
+        return
     rng = np.random.default_rng(0)
     q, k, v = (
         cupy.asarray(rng.standard_normal((2, 4, 64, 32)), dtype=cupy.float32) for _ in range(3)
     )
     p = plan(q, k, v, causal=True)
+    expect("cupy path", p.path == "fused:cupy-via-torch", p.path)
     out = attend(q, k, v, causal=True)
     ref = attend(q, k, v, causal=True, implementation="portable")
-    assert isinstance(out, cupy.ndarray)
+    expect("cupy result type", isinstance(out, cupy.ndarray), type(out).__name__)
     check(f"cupy float32 [{p.path}]", float(cupy.abs(out - ref).max()), TOL["float32"])
 
 
-if __name__ == "__main__":
+def main() -> int:
+    """Every section whose framework is installed; 1 on a failure, 2 if nothing ran."""
     for mod, fn in (("torch", torch_cuda), ("jax", jax_gpu), ("cupy", cupy_via_torch)):
         if importlib.util.find_spec(mod) is None:
             print(f"{mod}: not installed")
         else:
-            fn()
-    print("FAILED: " + ", ".join(failures) if failures else "all GPU checks agree")
-    sys.exit(1 if failures else 0)
+            section(mod, fn)
+    if failures:
+        print("FAILED: " + ", ".join(failures))
+        return 1
+    if not passed:
+        print("no GPU check ran: no CUDA device, no JAX GPU backend, no CuPy")
+        return 2
+    print(f"all {len(passed)} GPU checks agree")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The prepared GPU script (``benchmarks/gpu_check.py``) on the CPU: its torch and JAX
+checks, small, must pass here, so that a session lent a GPU spends its scarce device
+time on the GPU and not on the script's bugs; without a GPU it must say that nothing
+ran, not that everything agreed."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from conftest import requires_backend
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture
+def gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@requires_backend("torch")
+def test_torch_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
+    gpu_check.torch_checks("cpu", [(1, 2, 8, 8)], ("float32", "bfloat16"), lambda: None)
+    assert gpu_check.failures == []
+    assert len(gpu_check.passed) == 2 * 2 * 2 + 1  # path and agreement, 2 dtypes x 2 kw, rows
+
+
+@requires_backend("jax")
+def test_jax_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
+    gpu_check.jax_checks([(1, 2, 8, 8)], ("float32",), "portable")
+    assert gpu_check.failures == []
+    assert len(gpu_check.passed) == 2
+
+
+def test_a_wrong_result_fails(gpu_check: ModuleType) -> None:
+    gpu_check.check("made up", 1.0, 1e-3)
+    gpu_check.expect("made up path", False, "portable")
+    assert gpu_check.failures == ["made up", "made up path"]
+
+
+def test_a_raising_section_fails_and_the_script_goes_on(gpu_check: ModuleType) -> None:
+    def broken() -> None:
+        msg = "no kernel image"
+        raise RuntimeError(msg)
+
+    gpu_check.section("broken", broken)
+    gpu_check.expect("after", True, "runs")
+    assert gpu_check.failures == ["broken"] and gpu_check.passed == ["after"]
+
+
+def test_without_a_gpu_nothing_is_claimed() -> None:
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is here: the script would run its checks")
+    if importlib.util.find_spec("jax") is not None:
+        import jax
+
+        if jax.default_backend() == "gpu":
+            pytest.skip("a JAX GPU backend is here")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no GPU check ran" in done.stdout
