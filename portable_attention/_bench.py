@@ -55,8 +55,8 @@ def _calibrate(fn: Callable[[], Any], budget: float, repeats: int) -> int:
 #: pause, SDPA still read 0.31-0.36 ms instead of 0.21 in 2 of 9 runs.
 SETTLE_S = 0.3
 #: Untimed calls for this long after each pause: after 0.3 s idle, this VM's host woke
-#: torch's threads slowly for many calls (SDPA at 128 read 0.25-0.30 ms instead of 0.22,
-#: and at decode 0.12-0.15 ms instead of 0.04, in a third of runs); one untimed call did
+#: torch's threads slowly for many calls (SDPA at 128 read 0.25-1.7 ms instead of 0.22,
+#: and at decode 0.12-1.1 ms instead of 0.04, in a third of runs); one untimed call did
 #: not cure it, 0.05 s of calls did in every run tried.
 WARM_S = 0.05
 
