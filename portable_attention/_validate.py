@@ -180,20 +180,10 @@ def _generic_key(get_device: Callable[[Any], Any]) -> Callable[[Any], tuple[Any,
 
 
 def _generic_qkv_key(get_device: Callable[[Any], Any]) -> Callable[[Any, Any, Any], Any]:
+    one = _generic_key(get_device)  # off the torch and NumPy hot paths: built from it
+
     def key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
-        return (
-            type(k),
-            type(v),
-            q.shape,
-            q.dtype,
-            get_device(q),
-            k.shape,
-            k.dtype,
-            get_device(k),
-            v.shape,
-            v.dtype,
-            get_device(v),
-        )
+        return (type(k), type(v), *one(q), *one(k), *one(v))
 
     return key
 
