@@ -135,6 +135,7 @@ def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str
     import jax
     import jax.numpy as jnp
 
+    on_gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     for dtype in dtypes:
         for shape in shapes:
@@ -142,13 +143,13 @@ def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str
             p = plan(q, k, v)
             expect(f"jax {dtype} {shape} path", p.path == path, p.path)
             ours_fn = jax.jit(lambda a, b, c: attend(a, b, c))
-            if dtype != "float32" and jax.default_backend() == "gpu":  # cuDNN: half only
+            if dtype != "float32" and on_gpu:  # cuDNN takes half precision only
                 hlo = ours_fn.lower(q, k, v).compile().as_text().lower()
                 expect(f"jax {dtype} {shape} cudnn", "cudnn" in hlo, "cuDNN call in the HLO")
             ref = attend(q, k, v, implementation="portable")
             err = float(jnp.max(jnp.abs(ours_fn(q, k, v).astype(float) - ref.astype(float))))
             btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-            impl = "cudnn" if dtype != "float32" and jax.default_backend() == "gpu" else None
+            impl = "cudnn" if dtype != "float32" and on_gpu else None
             anchor_fn = jax.jit(
                 lambda a, b, c, impl=impl: jax.nn.dot_product_attention(
                     a, b, c, implementation=impl

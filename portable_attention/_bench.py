@@ -79,7 +79,7 @@ def _medians(
     given, each sample starts with a pause of that many seconds, then ``warm`` seconds
     of untimed calls (at least one). After an idle pause this VM's host stalls single
     calls by 4-14 ms (SDPA at 128: 0.22 ms calls, one of 5,000-15,000 us in the first
-    few of a batch), and a batch's mean made SDPA read 0.5-1.7 ms in a third of runs.
+    few of a batch), and a batch's mean made SDPA read 0.25-1.7 ms in a third of runs.
     The ratio pairs each sample of ours with the anchor's next to it in time: the
     machine's speed drifts by tens of percent within a minute here, and a ratio of two
     medians keeps part of that drift where the pairs cancel it.

@@ -43,8 +43,8 @@ def test_bench_reports_every_installed_backend(
 
 def test_a_stalled_call_does_not_move_its_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a pause, this VM's host stalls single calls for milliseconds: each sample is
-    the median of its calls, so one stalled call per sample of the anchor (here 100x)
-    leaves the ratio exact (each batch's mean read the anchor 14x slower here)."""
+    the median of its calls, so one call in eight of the anchor's stalled 100x leaves the
+    ratio exact (each batch's mean read the anchor 14x slower here)."""
     clock = {"now": 0.0, "calls": 0}
 
     def call(cost: float, ours: bool) -> None:
