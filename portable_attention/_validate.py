@@ -277,13 +277,32 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
         if backend == "torch":
             _check_dense_tensor(name, x)
         dev = get_device(x)
-        if device is not None and dev is not None and dev != device:
+        if device is not None and dev is not None and _placement(dev) != _placement(device):
             msg = (
                 f"`{name}` is on device {dev!r} but `{first_name}` is on {device!r}: move "
                 "all arrays to one device first."
             )
             raise ValueError(msg)
+    if _placement(device) is not device:  # sharded: JAX places what the call makes, as in jit
+        device = None
     return xp, backend, device
+
+
+def _placement(device: Any) -> Any:
+    """Where an array lives, for comparing arrays: a JAX array on several devices reports
+    its sharding as its device, and compares by the set of devices (q sharded by batch
+    with k and v replicated share their devices; JAX computes on them as they are)."""
+    return getattr(device, "device_set", device)
+
+
+def _is_kind(xp: Any, dtype: Any, kind: str) -> bool | None:
+    """``xp.isdtype(dtype, kind)``; None for a dtype outside the standard (ml_dtypes'
+    bfloat16 or float8 on NumPy arrays, JAX key arrays), which the namespace refuses with
+    a TypeError of its own that names no argument."""
+    try:
+        return bool(xp.isdtype(dtype, kind))
+    except (TypeError, ValueError):
+        return None
 
 
 def compute_dtype_for(xp: Any, dtype: Any) -> Any:
@@ -293,7 +312,16 @@ def compute_dtype_for(xp: Any, dtype: Any) -> Any:
 
 def _check_dtypes(xp: Any, q: Any, k: Any, v: Any) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not xp.isdtype(x.dtype, "real floating"):
+        floating = _is_kind(xp, x.dtype, "real floating")
+        if floating is None:
+            msg = (
+                f"`{name}` has the dtype {x.dtype}, which is not an array-API dtype of its "
+                "framework (ml_dtypes' bfloat16 and float8 on NumPy arrays, JAX key arrays): "
+                "attend does not compute in it; pass float16, bfloat16 (torch, JAX), float32 "
+                f"or float64, e.g. `{name}.astype(numpy.float32)` for a NumPy array."
+            )
+            raise TypeError(msg)
+        if not floating:
             msg = (
                 f"`{name}` must have a real floating dtype (float16, bfloat16, float32, "
                 f"float64), got {x.dtype}; cast it with `xp.astype({name}, xp.float32)`."
@@ -367,7 +395,7 @@ def _broadcasts(small: tuple[int, ...], target: tuple[int, ...]) -> bool:
 
 def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tuple) -> None:
     if mask is not None:
-        if not xp.isdtype(mask.dtype, "bool"):
+        if not _is_kind(xp, mask.dtype, "bool"):
             msg = (
                 f"`mask` must be boolean (True = may attend), got dtype {mask.dtype} of shape "
                 f"{_shape(mask)}. For an additive float mask (0 / -inf) pass it as `bias=` "
@@ -384,7 +412,7 @@ def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tup
             raise ValueError(msg)
     if bias is not None:
         allowed = (dtype, compute_dtype_for(xp, dtype))
-        if not xp.isdtype(bias.dtype, "real floating") or bias.dtype not in allowed:
+        if not _is_kind(xp, bias.dtype, "real floating") or bias.dtype not in allowed:
             msg = (
                 f"`bias` must be an additive float array of the inputs' dtype {dtype} or "
                 f"the compute dtype {allowed[1]}, got {bias.dtype}; for a boolean mask use "
@@ -696,7 +724,7 @@ def fused_unavailable_error(reason: str) -> ValueError:
 def check_mask_array(name: str, x: Any, *, integer: bool = False) -> Any:
     """Namespace of a mask-builder argument; check it is an array (of integers if asked)."""
     xp = _namespace_of(name, x)
-    if integer and not xp.isdtype(x.dtype, "integral"):
+    if integer and not _is_kind(xp, x.dtype, "integral"):
         msg = f"`{name}` must be an integer array, got dtype {x.dtype}."
         raise TypeError(msg)
     return xp
@@ -780,7 +808,7 @@ def check_bool_masks(named: dict[str, Any]) -> None:
     xp, _, _ = check_arrays(**named)
     shape: tuple[int, ...] = ()
     for name, m in named.items():
-        if not xp.isdtype(m.dtype, "bool"):
+        if not _is_kind(xp, m.dtype, "bool"):
             msg = f"`{name}` must be boolean (True = may attend), got dtype {m.dtype}."
             raise TypeError(msg)
         combined = _broadcast_shape(shape, _shape(m))

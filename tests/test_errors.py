@@ -6,7 +6,10 @@ Each message must name the offending argument in backticks (docs/api-decisions.m
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -340,6 +343,90 @@ def test_different_devices(fn: Any) -> None:
     mask = xs.asarray(np.ones((3, 3), dtype=bool), device=xs.Device("device1"))
     with pytest.raises(ValueError, match=arg("mask")):
         fn(q, q, q, mask=mask)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("which", ["q", "mask", "bias"])
+def test_numpy_dtypes_outside_the_standard(fn: Any, dtype_name: str, which: str) -> None:
+    """ml_dtypes' bfloat16 (what ``to_backend(x, "numpy")`` gives for a torch or JAX
+    bfloat16 array) and float8 are no array-API dtypes of NumPy: NumPy's ``isdtype``
+    refuses them with a TypeError that names no argument; ours names it."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    odd = np.dtype(getattr(ml_dtypes, dtype_name))
+    q, k, v = (np.asarray(randn(rng_for("odd dtypes", n), (2, 3, 4)), np.float32) for n in "qkv")
+    if which == "q":
+        q, k, v = (x.astype(odd) for x in (q, k, v))
+        with pytest.raises(TypeError, match=arg("q") + ".*" + re.escape("q.astype(numpy.float32)")):
+            fn(q, k, v)
+    else:
+        with pytest.raises(TypeError, match=arg(which) + ".*" + dtype_name):
+            fn(q, k, v, **{which: np.zeros((3, 3), odd)})
+
+
+def test_jax_key_array_as_input(fn: Any) -> None:
+    from conftest import BY_NAME
+
+    if "jax" not in BY_NAME:
+        pytest.skip("jax not selected")
+    import jax
+
+    q, k, v = qkv(BY_NAME["jax"], lead=(), hq=2, hk=2)
+    keys = jax.random.split(jax.random.key(0), (3, 5))
+    with pytest.raises(TypeError, match=arg("q") + ".*key"):
+        fn(keys[None], k, v)
+    with pytest.raises(TypeError, match=arg("mask") + ".*key"):
+        fn(q, k, v, mask=keys)
+
+
+# XLA gives the CPU two devices only when told so before JAX starts: a fresh interpreter.
+_SHARDED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import oracle
+from portable_attention import attend
+
+mesh = Mesh(np.array(jax.devices()), ("b",))
+by_batch, replicated = NamedSharding(mesh, P("b")), NamedSharding(mesh, P())
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 3, n, 4)).astype(np.float32) for n in (5, 7, 7))
+jq = jax.device_put(q, by_batch)
+jk, jv = (jax.device_put(x, replicated) for x in (k, v))
+for kw, chunk in (({}, None), ({"causal": True}, None), ({"window": 2}, None), ({}, 2)):
+    out, lse = attend(jq, jk, jv, return_lse=True, chunk_size=chunk, **kw)
+    want, _, want_lse = oracle.attention(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    assert out.sharding.device_set == jq.sharding.device_set, out.sharding
+one = jax.device_put(k, jax.devices()[1])
+try:
+    attend(jq, one, jv)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_jax_arrays_sharded_over_the_same_devices() -> None:
+    """q sharded by batch, k and v replicated over the same two devices: one place (JAX
+    computes on them as they are), so attend runs, masks included; an array on another
+    set of devices is still a ValueError that names it."""
+    from conftest import BY_NAME
+
+    if "jax" not in BY_NAME:
+        pytest.skip("jax not selected")
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _SHARDED],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: `k` is on device"), done.stdout
 
 
 def test_errors_leave_inputs_unmodified(backend: Backend) -> None:
