@@ -236,6 +236,20 @@ def test_numpy_softmax_without_max_pass_or_with_it(
 
 
 @requires_backend("numpy")
+@pytest.mark.parametrize("scale", [2.5e38, 3.4e38])
+def test_numpy_kernel_scale_near_the_float32_max(scale: float) -> None:
+    """A scale whose ``scale * log2(e)`` passes float32's max: the kernel keeps ``exp``
+    (the factor, cast to float32, would be inf and every score NaN) and matches the oracle."""
+    rng = rng_for("huge scale", scale)
+    q, k, v = (randn(rng, (1, 2, n, 4)).astype(np.float32) * 1e-38 for n in (3, 5, 5))
+    v = v * 1e38
+    out, lse = attend(q, k, v, scale=scale, return_lse=True)
+    ref_out, _, ref_lse = oracle.attention(q, k, v, scale=scale)
+    assert_close(out.astype(np.float64) * 1e-38, ref_out * 1e-38, "float32")
+    assert_close(lse.astype(np.float64), ref_lse, "float32", what="lse")
+
+
+@requires_backend("numpy")
 def test_numpy_kernel_takes_longdouble() -> None:
     """NumPy's extended precision (not an array-API dtype, but a NumPy array) runs the
     kernel in that precision, large row offsets included."""

@@ -9,6 +9,8 @@ Results are compared bit for bit with serial calls of the same arguments.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -197,3 +199,83 @@ def test_numpy_threaded_kernel_restores_blas_threads() -> None:
     jobs = [(BY_NAME["numpy"], job) for job in _numpy_threaded_jobs()]
     _run_concurrently(jobs, repeats=2, workers=4)
     assert blas_threads() == before
+
+
+def _blas_or_skip() -> Any:
+    """threadpoolctl's BLAS controllers, with more than one thread to pin from."""
+    pytest.importorskip("threadpoolctl")
+    blas = numpy_backend._blas_controller()
+    if not blas or max(c.get_num_threads() for c in blas) == 1:
+        pytest.skip(f"no BLAS on more than one thread to pin ({blas})")
+    return blas
+
+
+@requires_backend("numpy")
+def test_blas_pinned_and_restored_from_any_thread() -> None:
+    """threadpoolctl 3.8 obeys one "controlling" thread for OpenBLAS and ignores the rest.
+    A pinned call on a thread that stays alive must not stop the next call, on another
+    thread, from pinning; and when calls overlap, the last one out (another thread than
+    the first one in) restores the count. Both failed before the control was released."""
+    blas = _blas_or_skip()
+    before = [c.get_num_threads() for c in blas]
+    seen: dict[str, list[int]] = {}
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def first_call() -> None:  # pins and unpins, then stays alive
+        with numpy_backend._blas_pinned(blas):
+            seen["first"] = [c.get_num_threads() for c in blas]
+        done.set()
+        release.wait(30)
+
+    def overlapping_call() -> None:  # enters while the main thread holds the pin, leaves last
+        with numpy_backend._blas_pinned(blas):
+            entered.set()
+            release.wait(30)
+            seen["last out"] = [c.get_num_threads() for c in blas]
+
+    alive = threading.Thread(target=first_call)
+    alive.start()
+    try:
+        assert done.wait(30)
+        with numpy_backend._blas_pinned(blas):
+            seen["other thread"] = [c.get_num_threads() for c in blas]
+            late = threading.Thread(target=overlapping_call)
+            late.start()
+            assert entered.wait(30)
+        assert [c.get_num_threads() for c in blas] == [1] * len(blas)  # still held
+    finally:
+        release.set()
+        alive.join()
+        late.join()
+    assert seen == {k: [1] * len(blas) for k in ("first", "other thread", "last out")}
+    assert [c.get_num_threads() for c in blas] == before
+
+
+_FORKED = """
+import os, sys
+import numpy as np
+from portable_attention import attend, plan
+from portable_attention.backends import numpy as nb
+
+q = np.random.default_rng(0).standard_normal((1, 8, 1024, 32), dtype=np.float32)
+assert q.shape[1] * q.shape[2] ** 2 >= nb._THREADS_MIN_ELEMENTS  # the threaded kernel
+want = attend(q, q, q)  # the parent starts the pool
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if np.array_equal(attend(q, q, q), want) else 3)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+@requires_backend("numpy")
+def test_threaded_kernel_in_a_forked_child() -> None:
+    """A child forked after the parent's threaded call (multiprocessing's default on Linux
+    before Python 3.14) inherits the pool without its threads: the call must not wait for
+    them forever, and gives the parent's result."""
+    _blas_or_skip()
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "child exit 0"

@@ -27,6 +27,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -99,7 +100,7 @@ def _blas_pinned(blas: Any) -> Iterator[None]:
         if _pin_users == 0:
             _pin_restore[:] = [(c, c.get_num_threads()) for c in blas]
             for c, _ in _pin_restore:
-                c.set_num_threads(1)
+                _set_num_threads(c, 1)
         _pin_users += 1
     try:
         yield
@@ -107,9 +108,45 @@ def _blas_pinned(blas: Any) -> Iterator[None]:
         with _pin_lock:
             _pin_users -= 1
             if _pin_users == 0:
-                for c, n in _pin_restore:
-                    c.set_num_threads(n)
-                _pin_restore.clear()
+                _restore_blas()
+
+
+def _restore_blas() -> None:
+    for c, n in _pin_restore:
+        _set_num_threads(c, n)
+    _pin_restore.clear()
+
+
+def _set_num_threads(controller: Any, n: int) -> None:
+    """``controller.set_num_threads(n)`` from whichever thread holds ``_pin_lock``.
+
+    threadpoolctl (3.8) lets one "controlling" thread set OpenBLAS's process-wide count
+    and silently ignores the others: with the thread of the first pinned call still alive,
+    a later call on another thread would run unpinned, or restore nothing and leave the
+    BLAS on one thread for good. The control is released before and after: ours is
+    ordered by ``_pin_lock``, and the caller's own ``threadpool_limits`` keeps working.
+    """
+    release = getattr(type(controller), "clear_controlling_thread", None)
+    if release is not None:
+        release(force=True)
+    controller.set_num_threads(n)
+    if release is not None:
+        release(force=True)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (multiprocessing's default on Linux before Python 3.14) has none of
+    the pool's threads: a threaded call would wait forever for its helpers. Nor will the
+    calls that pinned the BLAS return in the child to restore it."""
+    global _pool, _pin_lock, _pin_users
+    _pool = None
+    _pin_lock = threading.Lock()
+    if _pin_users:
+        _restore_blas()
+    _pin_users = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def run_native(
@@ -150,9 +187,10 @@ def run_native(
             helpers = [_executor().submit(drain) for _ in range(_WORKERS - 1)] if threaded else []
             try:
                 drain()  # this thread works too: one thread fewer to wake
-            finally:
-                for helper in helpers:
-                    helper.result()
+            finally:  # no helper may still be writing when the call ends; an error here wins
+                futures.wait(helpers)
+            for helper in helpers:
+                helper.result()
     out_final = out.reshape(*call.q_shape[:-1], call.v_shape[-1]).astype(call.dtype, copy=False)
     if weights is not None:
         weights = weights.reshape(*call.q_shape[:-1], lk).astype(call.dtype, copy=False)
@@ -238,13 +276,14 @@ def _block(
     if lse is not None:
         block_lse = np.log(total)
         if m is not None:
-            block_lse += m * _LN2 if base2 else m
+            block_lse += (m * _LN2) if base2 else m
         if has_key is not None:
             block_lse[~has_key] = -np.inf
         lse[..., r] = block_lse[..., 0]
 
 
 _LOG2E = 1.0 / math.log(2.0)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LN2 = math.log(2.0)
 
 
@@ -257,11 +296,17 @@ def _base2(call: _validate.Call) -> bool:
     inputs their exactness: at ``scale=1e6``, keys whose scores tie exactly got weights
     1.6e-10 apart (a float64 test asks for 1e-10).
     """
-    return call.bias_shape is None and call.compute_dtype == np.float32
+    return (
+        call.bias_shape is None
+        and call.compute_dtype == np.float32
+        and call.scale * _LOG2E <= _FLOAT32_MAX  # scale itself is at most float32's max
+    )
 
 
 def _sums_in_range(total: Any, block_sum: Any) -> bool:
-    """Whether ``exp`` without the max pass gave the softmax to full precision.
+    """Whether ``exp`` without the max pass gave the softmax to the dtype's resolution,
+    relative to each row's largest weight (weights far below it, under ``1e-19`` of it in
+    float32, may keep fewer digits than with the max subtracted).
 
     Every row sum must be finite (no ``exp`` overflowed, no NaN) and at least the square
     root of the smallest normal number: then the row's largest term is at least that over
