@@ -103,6 +103,21 @@ def _window_sides(call: Call) -> tuple[int | None, int | None]:
     return left, right
 
 
+def band_keeps_all(call: Call) -> bool:
+    """Whether ``causal`` and ``window`` keep every score: neither is given, or the band
+    is wide enough for every row. Lower-right causal with one query (the KV-cache decode
+    step) is one: the query's aligned position is the last key. A mask of all True would
+    cost the fused kernels their mask-free path (torch decode: 62-115 us against 32-37).
+    """
+    if call.causal is None and call.window is None:
+        return True
+    left, right = _window_sides(call)
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    offset = lk - lq if call.align == "lower_right" else 0
+    # Key j is kept for query i when -left <= j - (i + offset) <= right.
+    return (right is None or right >= lk - 1 - offset) and (left is None or left >= lq - 1 + offset)
+
+
 def structural_mask(
     call: Call,
     *,
@@ -110,8 +125,9 @@ def structural_mask(
     rows: tuple[int, int] | None = None,
     cols: tuple[int, int] | None = None,
 ) -> Any:
-    """The mask of ``causal`` and ``window`` on ``[Lq, Lk]`` (or a block); None if neither."""
-    if call.causal is None and call.window is None:
+    """The mask of ``causal`` and ``window`` on ``[Lq, Lk]`` (or a block); None where
+    they keep every score (:func:`band_keeps_all`)."""
+    if band_keeps_all(call):
         return None
     left, right = _window_sides(call)
     return _masks.band(
@@ -250,8 +266,9 @@ def dense(
 
 
 def rows_may_be_empty(call: Call) -> bool:
-    """Whether a query row can have no key: only through ``mask``, ``bias`` (-inf),
-    ``causal`` or ``window`` (``Lk == 0`` is handled before any scores exist).
+    """Whether a query row can have no key: only through ``mask``, ``bias`` (-inf), or
+    a ``causal``/``window`` band that drops scores (``Lk == 0`` is handled before any
+    scores exist).
 
     Without them every row attends to all ``Lk >= 1`` keys, and the softmax needs no
     guard for empty rows. The guards are not free: on XLA's CPU backend a ``where`` on
@@ -259,12 +276,7 @@ def rows_may_be_empty(call: Call) -> bool:
     call took 0.48 ms instead of 0.57 ms without it (jax 0.10, ``[1, 8, 128, 64]``).
     Non-finite inputs then give NaN rows, as in the seed's formula.
     """
-    return not (
-        call.mask_shape is None
-        and call.bias_shape is None
-        and call.causal is None
-        and call.window is None
-    )
+    return not (call.mask_shape is None and call.bias_shape is None and band_keeps_all(call))
 
 
 def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:

@@ -3,13 +3,15 @@ agrees with the portable path and the oracle, and that decisions never depend on
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from typing import Any
 
 import numpy as np
 import pytest
-from portable_attention import attend, plan
+from portable_attention import _core, attend, plan
+from portable_attention._validate import validate_call
 from portable_attention.backends import numpy as numpy_backend
 
 import oracle
@@ -553,3 +555,32 @@ def test_jax_native_under_vmap_and_below_two_blocks() -> None:
     assert plan(*short).path == "portable"
     assert "512 queries" in plan(*short).reason
     assert plan(q, k, v, dropout=0.1, rng=jax.random.key(0)).path == "portable"
+
+
+_WINDOWS = [None, 0, 1, 2, (None, 0), (1, None), (0, 3), (3, 0), (None, None)]
+
+
+@pytest.mark.parametrize("causal", [False, True, "upper_left"])
+@pytest.mark.parametrize("window", _WINDOWS)
+def test_band_that_keeps_every_score_builds_no_mask(causal: Any, window: Any) -> None:
+    """``causal``/``window`` build no mask exactly where the oracle's band keeps every
+    score (lower-right causal with one query, the decode step, among them), so the fused
+    kernels keep their mask-free path; a band that drops a score always gets its mask."""
+    for lq, lk in itertools.product(range(1, 5), repeat=2):
+        q, k = np.zeros((2, lq, 3)), np.zeros((2, lk, 3))
+        call = validate_call(q, k, k, causal=causal, window=window)
+        keeps_all = bool(oracle.allowed_positions(lq, lk, causal=causal, window=window).all())
+        assert _core.band_keeps_all(call) == keeps_all, (lq, lk)
+        assert (_core.structural_mask(call) is None) == keeps_all, (lq, lk)
+
+
+@requires_backend("torch")
+def test_torch_decode_step_with_causal_runs_sdpa_without_a_mask() -> None:
+    """``causal=True`` with one query sees every key: SDPA runs with neither mask nor
+    flag (a mask of all True cost the decode step 2-3x here)."""
+    backend = BY_NAME["torch"]
+    q, k, v = _qkv(backend, (1, 8, 1, 16), (1, 8, 40, 16), "float32")
+    call = validate_call(q, k, v, causal=True)
+    assert _core.kernel_mask(call, None, None) == (None, False)
+    ref_out, _, _ = oracle.attention(*(backend.to_numpy(x) for x in (q, k, v)), causal=True)
+    assert_close(backend.to_numpy(attend(q, k, v, causal=True)), ref_out, "float32")
