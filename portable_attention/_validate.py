@@ -471,10 +471,8 @@ def normalize_window(window: object) -> tuple[int | None, int | None] | None:
     ints = [None if side is None else _as_int(side) for side in sides]
     for side, as_int in zip(sides, ints, strict=True):
         if side is not None and (as_int is None or as_int < 0):
-            msg = (
-                "`window` sides must be ints >= 0 or None (unbounded), "
-                f"got {window!r}; a negative window keeps no key."
-            )
+            why = "; a negative window keeps no key" if as_int is not None else ""
+            msg = f"`window` sides must be ints >= 0 or None (unbounded), got {window!r}{why}."
             raise ValueError(msg)
     return (ints[0], ints[1])
 
@@ -491,26 +489,30 @@ def _as_int(value: object) -> int | None:
 
 
 def _real_number(name: str, value: object) -> float:
+    if isinstance(value, (bool, str)):
+        msg = f"`{name}` must be a Python float, got {value!r} of type {_type_name(value)}."
+        raise TypeError(msg)
+    if isinstance(value, (int, float)):  # first: torch.compile(dynamic=True) makes floats
+        return _as_float(value)  # symbolic, and cannot trace the getattr below on them
     if getattr(value, "requires_grad", False):
         msg = (
             f"`{name}` must be a Python float, got a tensor that requires grad; its gradient "
             "would be lost: multiply q (or the scores' inputs) by it instead."
         )
         raise TypeError(msg)
-    if isinstance(value, (bool, str)):
+    try:
+        return float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
+    except (TypeError, ValueError):
         msg = f"`{name}` must be a Python float, got {value!r} of type {_type_name(value)}."
-        raise TypeError(msg)
-    if not isinstance(value, (int, float)):
-        try:
-            value = float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
-        except (TypeError, ValueError):
-            msg = f"`{name}` must be a Python float, got {value!r} of type {_type_name(value)}."
-            if hasattr(value, "shape"):  # a traced or many-element array
-                msg += (
-                    " Under jax.jit pass it as a static argument (`static_argnames`) or a "
-                    "Python constant; a traced value cannot choose the computation."
-                )
-            raise TypeError(msg) from None
+        if hasattr(value, "shape"):  # a traced or many-element array
+            msg += (
+                " Under jax.jit pass it as a static argument (`static_argnames`) or a "
+                "Python constant; a traced value cannot choose the computation."
+            )
+        raise TypeError(msg) from None
+
+
+def _as_float(value: float) -> float:
     try:
         return float(value)
     except OverflowError:  # an int beyond float range: as infinite as inf

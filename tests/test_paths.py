@@ -4,6 +4,8 @@ agrees with the portable path and the oracle, and that decisions never depend on
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import warnings
 from typing import Any
@@ -288,6 +290,33 @@ def test_torch_compile_fullgraph() -> None:
     compiled = torch.compile(lambda a, b, c: attend(a, b, c, causal=True), fullgraph=True)
     expected = attend(q, k, v, causal=True)
     torch.testing.assert_close(compiled(q, k, v), expected)
+
+
+_COMPILE_DYNAMIC = """
+import torch
+from portable_attention import attend
+
+q, k, v = (torch.randn(2, h, n, 8) for h, n in ((4, 5), (2, 7), (2, 7)))
+compiled = torch.compile(lambda a, b, c: attend(a, b, c, causal=True), fullgraph=True, dynamic=True)
+torch.testing.assert_close(compiled(q, k, v), attend(q, k, v, causal=True))
+print("ok")
+"""
+
+
+@requires_backend("torch")
+def test_torch_compile_fullgraph_dynamic() -> None:
+    """``dynamic=True`` makes the float options symbolic (``dropout=0.0`` by default):
+    validation must take them without tracing a ``getattr`` on them. In a fresh
+    interpreter: after other compiled calls in this process the trace did not fail."""
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_DYNAMIC],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
 
 
 @requires_backend("torch")
