@@ -96,7 +96,8 @@ def operands(
     )
 
 
-def _window_sides(call: Call) -> tuple[int | None, int | None]:
+def window_sides(call: Call) -> tuple[int | None, int | None]:
+    """``(left, right)`` of the band of ``causal`` and ``window`` (None: unbounded)."""
     left, right = call.window if call.window is not None else (None, None)
     if call.causal is not None:
         right = 0  # causal never looks past the aligned position, whatever the window
@@ -111,7 +112,7 @@ def band_keeps_all(call: Call) -> bool:
     """
     if call.causal is None and call.window is None:
         return True
-    left, right = _window_sides(call)
+    left, right = window_sides(call)
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     offset = lk - lq if call.align == "lower_right" else 0
     # Key j is kept for query i when -left <= j - (i + offset) <= right.
@@ -129,7 +130,7 @@ def structural_mask(
     they keep every score (:func:`band_keeps_all`)."""
     if band_keeps_all(call):
         return None
-    left, right = _window_sides(call)
+    left, right = window_sides(call)
     return _masks.band(
         call.xp,
         call.q_shape[-2],
@@ -163,7 +164,7 @@ def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) ->
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
     if call.causal is None and call.window is None:
         return False
-    left, right = _window_sides(call)
+    left, right = window_sides(call)
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     offset = lk - lq if call.align == "lower_right" else 0
     nearest = cols[0] - (rows[1] - 1) - offset  # smallest key-minus-aligned-query distance

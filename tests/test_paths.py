@@ -360,6 +360,65 @@ def test_jax_fused_under_jit_vmap_grad() -> None:
     assert batched.shape == (2, 4, 6, 8)
 
 
+_JAX_WINDOWS = [
+    # (Lq, Lk, causal, window, jax.nn's local_window_size or None: the window is a mask)
+    (7, 7, False, 2, (2, 2)),
+    (7, 7, True, (3, None), (3, 0)),
+    (7, 7, False, (None, 1), (14, 1)),
+    (5, 9, "upper_left", (2, 4), (2, 0)),
+    (5, 9, False, (1, 2), None),  # lower-right, Lq != Lk: jax.nn's alignment differs
+    (9, 5, "upper_left", 1, None),  # the last queries keep no key: jax.nn would give mean(V)
+    (7, 7, True, (10, 3), (10, 0)),  # causal caps the right side
+    (1, 6, True, 2, None),  # one query, lower-right: the key band is a mask (Lq != Lk)
+]
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize(("lq", "lk", "causal", "window", "native"), _JAX_WINDOWS)
+def test_jax_fused_window(
+    lq: int, lk: int, causal: Any, window: Any, native: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows reach jax.nn as ``local_window_size`` where its upper-left window alone is
+    exact, else as a mask; either way the result matches the oracle (rows with no key
+    give 0), under jit and through grad."""
+    import jax
+    import jax.numpy as jnp
+
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (2, 4, lq, 8), (2, 2, lk, 8))
+    seen: list[dict] = []
+    real = jax.nn.dot_product_attention
+
+    def recording(*args: Any, **kwargs: Any) -> Any:  # the real jax.nn, its options noted
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    options = {"causal": causal, "window": window, "implementation": "fused"}
+    out = jax.jit(lambda a, b, c: attend(a, b, c, **options))(q, k, v)
+    ref, _, _ = oracle.attention(
+        *(backend.to_numpy(x) for x in (q, k, v)), causal=causal, window=window
+    )
+    assert_close(backend.to_numpy(out), ref, "float32")
+    assert seen and seen[-1]["local_window_size"] == native
+    assert (seen[-1]["mask"] is None) == (native is not None)
+    grad = jax.grad(lambda a: jnp.sum(attend(a, k, v, **options) ** 2))(q)
+    want = jax.grad(lambda a: jnp.sum(attend(a, k, v, causal=causal, window=window) ** 2))(q)
+    assert_close(backend.to_numpy(grad), backend.to_numpy(want), "float32")
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize(("lq", "lk"), [(0, 5), (5, 0), (0, 0)])
+def test_jax_fused_empty_sequences(lq: int, lk: int) -> None:
+    """jax.nn takes empty sequences: ``fused`` runs them (no key: zeros)."""
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (2, 4, lq, 8), (2, 2, lk, 8))
+    assert plan(q, k, v, implementation="fused").path == "fused:jax"
+    out = attend(q, k, v, implementation="fused")
+    assert out.shape == (2, 4, lq, 8)
+    np.testing.assert_array_equal(backend.to_numpy(out), np.zeros((2, 4, lq, 8)))
+
+
 def test_cupy_via_torch() -> None:
     """Runs only where CuPy and a CUDA GPU exist; skips cleanly elsewhere."""
     cupy = pytest.importorskip("cupy")

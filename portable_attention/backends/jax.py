@@ -87,8 +87,6 @@ def fused_reason(call: _validate.Call) -> str | None:
             "off GPU, jax.nn.dot_product_attention does not compute float16/bfloat16 in "
             "float32 (bfloat16 errors of 0.3 measured on CPU; float16 fails there)"
         )
-    if min(call.q_shape[-2], call.k_shape[-2]) == 0:
-        return "jax.nn.dot_product_attention does not take empty sequences"
     return None
 
 
@@ -102,7 +100,12 @@ def portable_preferred(call: _validate.Call) -> str | None:
     return None
 
 
-def _cudnn_qualifies(call: _validate.Call, allowed: Any, bias: Any) -> bool:
+def _cudnn_qualifies(
+    call: _validate.Call, allowed: Any, bias: Any, window: tuple[int, int] | None
+) -> bool:
+    """cuDNN's fused kernel: half precision on an NVIDIA GPU, head size a multiple of 8 up
+    to 128, no mask or bias to pass, keys and queries present, and a window only with
+    causal (cuDNN's sliding window is a left window; jax.nn refuses a right one)."""
     d = call.q_shape[-1]
     half = call.compute_dtype != call.dtype
     return (
@@ -112,7 +115,27 @@ def _cudnn_qualifies(call: _validate.Call, allowed: Any, bias: Any) -> bool:
         and d <= 128
         and allowed is None
         and bias is None
+        and min(call.q_shape[-2], call.k_shape[-2]) > 0
+        and (window is None or call.causal is not None)
     )
+
+
+def _local_window(call: _validate.Call, mask: Any, bias: Any) -> tuple[int, int] | None:
+    """``window`` as jax.nn's ``local_window_size`` where that alone is exact (else None:
+    the window goes into the boolean mask).
+
+    jax.nn's window, like its ``is_causal``, is upper-left aligned: ours agrees when
+    ``Lq == Lk`` or ``causal="upper_left"``. With ``Lq <= Lk`` every query keeps its
+    aligned key, so no row is empty (jax.nn would give it mean(V)); with no mask or bias
+    no other mask needs the repair. Unbounded sides become ``Lq + Lk``.
+    """
+    if call.window is None or mask is not None or bias is not None:
+        return None
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    if _core.band_keeps_all(call) or not (lq == lk or (call.align == "upper_left" and lq <= lk)):
+        return None
+    left, right = _core.window_sides(call)
+    return (lq + lk if left is None else left, lq + lk if right is None else right)
 
 
 def _to_btnh(x: Any, batch: int) -> Any:
@@ -134,7 +157,11 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     """``out`` from jax.nn; rows with no key give 0 (jax.nn's mean(V) is replaced)."""
     lead = call.q_shape[:-3]
     batch = math.prod(lead)
-    allowed, is_causal = _core.kernel_mask(call, mask, bias)
+    window = _local_window(call, mask, bias)
+    if window is not None:
+        allowed, is_causal = None, call.causal is not None
+    else:
+        allowed, is_causal = _core.kernel_mask(call, mask, bias)
     allowed4 = None if allowed is None else _scores_operand(allowed, lead, batch)
     bias4 = None if bias is None else _scores_operand(bias, lead, batch)
     if bias4 is not None:
@@ -151,7 +178,8 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
         mask=allowed4,
         scale=call.scale,
         is_causal=is_causal,
-        implementation="cudnn" if _cudnn_qualifies(call, allowed, bias) else None,
+        local_window_size=window,
+        implementation="cudnn" if _cudnn_qualifies(call, allowed, bias, window) else None,
     )
     out = jnp.swapaxes(out, 1, 2)  # [B, H, Lq, Dv]
     if allowed4 is not None:
