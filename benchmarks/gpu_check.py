@@ -118,6 +118,13 @@ def torch_checks(
     q = torch.randn(1, 2, 4, 8, device=device, dtype=getattr(torch, dtypes[0]))
     out = attend(q, q[:, :, :1].expand(1, 2, 6, 8), q[:, :, :1].expand(1, 2, 6, 8), mask=mask)
     check("torch fully-masked rows are 0", float(out[:, :, 1:].abs().max()), 0.0)
+    # Their gradients must be finite (0) too: a repair after SDPA must not pass NaN back.
+    qg = q.detach().float().requires_grad_()
+    kv = qg[:, :, :1].expand(1, 2, 6, 8)
+    attend(qg, kv, kv, mask=mask).sum().backward()
+    grad = qg.grad
+    bad = float((~torch.isfinite(grad)).sum()) if grad is not None else float("inf")
+    check("torch fully-masked rows: finite gradients", bad, 0.0)
 
 
 def jax_gpu() -> None:
@@ -137,27 +144,38 @@ def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str
 
     on_gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
+    # Options and jax.nn's own for them: plain, causal, and a causal sliding window (jax.nn's
+    # local_window_size, which cuDNN takes together with causal).
+    variants = (({}, {}), ({"causal": True, "window": (16, 0)}, {"is_causal": True}))
     for dtype in dtypes:
         for shape in shapes:
             q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype=dtype) for _ in range(3))
-            p = plan(q, k, v)
-            expect(f"jax {dtype} {shape} path", p.path == path, p.path)
-            ours_fn = jax.jit(lambda a, b, c: attend(a, b, c))
-            if dtype != "float32" and on_gpu:  # cuDNN takes half precision only
-                hlo = ours_fn.lower(q, k, v).compile().as_text().lower()
-                expect(f"jax {dtype} {shape} cudnn", "cudnn" in hlo, "cuDNN call in the HLO")
-            ref = attend(q, k, v, implementation="portable")
-            err = float(jnp.max(jnp.abs(ours_fn(q, k, v).astype(float) - ref.astype(float))))
-            btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-            impl = "cudnn" if dtype != "float32" and on_gpu else None
-            anchor_fn = jax.jit(
-                lambda a, b, c, impl=impl: jax.nn.dot_product_attention(
-                    a, b, c, implementation=impl
+            for kw, nn_kw in variants:
+                if "window" in kw:
+                    nn_kw = {**nn_kw, "local_window_size": kw["window"]}
+                p = plan(q, k, v, **kw)
+                expect(f"jax {dtype} {shape} {kw} path", p.path == path, p.path)
+                ours_fn = jax.jit(lambda a, b, c, kw=kw: attend(a, b, c, **kw))
+                if dtype != "float32" and on_gpu:  # cuDNN takes half precision only
+                    hlo = ours_fn.lower(q, k, v).compile().as_text().lower()
+                    expect(f"jax {dtype} {shape} {kw} cudnn", "cudnn" in hlo, "cuDNN in the HLO")
+                ref = attend(q, k, v, implementation="portable", **kw)
+                err = float(jnp.max(jnp.abs(ours_fn(q, k, v).astype(float) - ref.astype(float))))
+                btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+                impl = "cudnn" if dtype != "float32" and on_gpu else None
+                anchor_fn = jax.jit(
+                    lambda a, b, c, impl=impl, nn_kw=nn_kw: jax.nn.dot_product_attention(
+                        a, b, c, implementation=impl, **nn_kw
+                    )
                 )
-            )
-            ours = timed(lambda: ours_fn(q, k, v).block_until_ready(), lambda: None)  # noqa: B023
-            anchor = timed(lambda: anchor_fn(*btnh).block_until_ready(), lambda: None)  # noqa: B023
-            check(f"jax {dtype} {shape} [{p.path}]", err, TOL[dtype], f"ratio {anchor / ours:.2f}")
+                ours = timed(lambda: ours_fn(q, k, v).block_until_ready(), lambda: None)  # noqa: B023
+                anchor = timed(lambda: anchor_fn(*btnh).block_until_ready(), lambda: None)  # noqa: B023
+                check(
+                    f"jax {dtype} {shape} {kw} [{p.path}]",
+                    err,
+                    TOL[dtype],
+                    f"ratio {anchor / ours:.2f}",
+                )
 
 
 def cupy_via_torch() -> None:

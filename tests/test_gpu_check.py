@@ -31,14 +31,14 @@ def gpu_check() -> ModuleType:
 def test_torch_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     gpu_check.torch_checks("cpu", [(1, 2, 8, 8)], ("float32", "bfloat16"), lambda: None)
     assert gpu_check.failures == []
-    assert len(gpu_check.passed) == 2 * 2 * 2 + 1  # path and agreement, 2 dtypes x 2 kw, rows
+    assert len(gpu_check.passed) == 2 * 2 * 2 + 2  # path and agreement, 2 dtypes x 2 kw; rows, grads
 
 
 @requires_backend("jax")
 def test_jax_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     gpu_check.jax_checks([(1, 2, 8, 8)], ("float32",), "portable")
     assert gpu_check.failures == []
-    assert len(gpu_check.passed) == 2
+    assert len(gpu_check.passed) == 2 * 2  # path and agreement, plain and causal window
 
 
 def test_a_wrong_result_fails(gpu_check: ModuleType) -> None:
