@@ -44,13 +44,12 @@ _cache: dict[tuple[Any, ...], Plan] = {}
 
 
 def dense_bytes(call: Call) -> int:
-    itemsize = 4 if call.compute_dtype == call.xp.float32 else 8
+    """Bytes of the whole score matrix in the compute dtype (NumPy's longdouble: 16)."""
+    itemsize = call.xp.finfo(call.compute_dtype).bits // 8
     return math.prod(call.q_shape[:-1]) * call.k_shape[-2] * itemsize
 
 
 def _portable(call: Call, why: str) -> Plan:
-    if call.chunk_size is not None:
-        return Plan(CHUNKED, f"{why}; chunk_size={call.chunk_size} asks for the chunked path")
     if call.return_weights:
         return Plan(PORTABLE, f"{why}; return_weights needs the whole score matrix")
     if dense_bytes(call) > DENSE_LIMIT_BYTES:
@@ -63,6 +62,8 @@ def _portable(call: Call, why: str) -> Plan:
 
 
 def _decide(call: Call, implementation: str) -> Plan:
+    if call.chunk_size is not None:  # before any kernel: every backend would decline
+        return Plan(CHUNKED, f"chunk_size={call.chunk_size} asks for the portable chunked path")
     if implementation == "portable":
         return _portable(call, "implementation='portable' was asked for")
     backend = adapter(call.backend)

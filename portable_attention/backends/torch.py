@@ -47,8 +47,6 @@ def fused_reason(call: _validate.Call) -> str | None:
             "SDPA draws dropout from torch's global RNG and cannot take `rng` "
             "(pass rng=None to use SDPA's dropout)"
         )
-    if call.chunk_size is not None:
-        return "chunk_size asks for the portable chunked path"
     if call.grouped and not _HAS_GQA:
         return (
             f"grouped-query heads need SDPA's enable_gqa (torch >= 2.5, have {torch.__version__})"
