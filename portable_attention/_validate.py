@@ -544,11 +544,16 @@ def _check_options(
         if not (softcap_f > 0 and math.isfinite(softcap_f)):
             msg = f"`softcap` must be a finite number > 0 (or None), got {softcap!r}."
             raise ValueError(msg)
+    return scale_f, softcap_f, check_dropout(dropout)
+
+
+def check_dropout(dropout: object) -> float:
+    """A dropout probability in ``[0, 1)`` (of ``attend`` and the multi-head modules)."""
     dropout_f = _real_number("dropout", dropout)
     if not 0.0 <= dropout_f < 1.0:
         msg = f"`dropout` must be in [0, 1), got {dropout!r}."
         raise ValueError(msg)
-    return scale_f, softcap_f, dropout_f
+    return dropout_f
 
 
 def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
@@ -756,7 +761,17 @@ def check_mha_call(
             f"got {num_kv_heads!r}"
         )
         raise ValueError(msg)
-    xp, _, _ = check_arrays(query=query, key=key, value=value, key_padding_mask=key_padding_mask)
+    named = {f"params[{n!r}]": p for n, p in params.items() if p is not None}
+    xp, _, _ = check_arrays(
+        query=query, key=key, value=value, key_padding_mask=key_padding_mask, **named
+    )
+    if key_padding_mask is not None and not _is_kind(xp, key_padding_mask.dtype, "bool"):
+        msg = (
+            f"`key_padding_mask` must be boolean [B, Lk] (True = real key), got dtype "
+            f"{key_padding_mask.dtype}; for 0/1 where 1 = real key pass `key_padding_mask != 0`, "
+            "for torch's True = padding pass its negation."
+        )
+        raise TypeError(msg)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if getattr(x, "ndim", None) != 3:
             got = getattr(x, "shape", type(x))
@@ -1298,6 +1313,35 @@ def check_mha_sizes(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         msg = f"`num_kv_heads`={num_kv_heads} must be a positive divisor of `num_heads`={num_heads}"
         raise ValueError(msg)
+
+
+def check_param_dtype(xp: Any, dtype: Any) -> None:
+    """``init_params``: a real floating ``dtype`` of the namespace."""
+    if not _is_kind(xp, dtype, "real floating"):
+        msg = f"`dtype` must be a real floating dtype (float32, float64, ...), got {dtype!r}."
+        raise TypeError(msg)
+
+
+def check_made_dtype(got: Any, wanted: Any) -> None:
+    """``init_params``: the framework made the asked dtype (JAX without 64-bit types makes
+    float64 into float32 with only a warning)."""
+    if got != wanted:
+        name = getattr(wanted, "__name__", wanted)
+        msg = (
+            f"`dtype`={name} came out as {got}: the framework cannot hold it here (for JAX "
+            "enable 64-bit types with `jax.config.update('jax_enable_x64', True)` at startup), "
+            "or ask for the dtype it gives."
+        )
+        raise TypeError(msg)
+
+
+def torch_mask_dtype_error(name: str, dtype: Any) -> TypeError:
+    """``torch_compat_forward``: a mask neither boolean nor floating (torch refuses those)."""
+    msg = (
+        f"`{name}` must be boolean (torch's True = masked out) or floating (added to the "
+        f"scores), got dtype {dtype}; for a 0/1 mask where 1 = masked out pass `{name}.bool()`."
+    )
+    return TypeError(msg)
 
 
 def check_state_keys(state: Any, expected: Any) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from portable_attention import _validate
 from portable_attention._attention import attend
+from portable_attention._convert import to_numpy
 
 __all__ = ["MultiHeadAttention", "init_params", "multi_head_attention"]
 
@@ -182,6 +183,7 @@ def init_params(
         import numpy as xp
     ns = array_api_compat.array_namespace(xp.asarray(0.0))
     dtype = ns.float32 if dtype is None else dtype
+    _validate.check_param_dtype(ns, dtype)
     d = embed_dim // num_heads
     kdim = embed_dim if kdim is None else kdim
     vdim = embed_dim if vdim is None else vdim
@@ -200,7 +202,9 @@ def init_params(
             "b_o": np.zeros(embed_dim),
         }
     kwargs = {} if device is None else {"device": device}
-    return {n: ns.asarray(a.astype(np.float64), dtype=dtype, **kwargs) for n, a in host.items()}
+    params = {n: ns.asarray(a.astype(np.float64), dtype=dtype, **kwargs) for n, a in host.items()}
+    _validate.check_made_dtype(params["w_q"].dtype, dtype)
+    return params
 
 
 class MultiHeadAttention:
@@ -228,7 +232,7 @@ class MultiHeadAttention:
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.dropout = dropout
+        self.dropout = _validate.check_dropout(dropout)
         self.params = init_params(
             embed_dim,
             num_heads,
@@ -287,9 +291,17 @@ class MultiHeadAttention:
             src = state[name]
             if not array_api_compat.is_array_api_obj(src) or (
                 array_api_compat.array_namespace(src) is not xp
-            ):
-                src = np.asarray(src)  # another framework's (host) array
-            arr = xp.asarray(src, dtype=old.dtype, device=array_api_compat.device(old))
+            ):  # another framework's array
+                src = xp.asarray(host_array(src))
+            arr = xp.asarray(xp.astype(src, old.dtype), device=array_api_compat.device(old))
             _validate.check_state_shape(name, tuple(arr.shape), tuple(old.shape))
             new[name] = arr
         self.params = new
+
+
+def host_array(x: Any) -> np.ndarray:
+    """Any framework's array (grad-tracking tensors, GPU arrays included) as a NumPy array
+    of a standard dtype, for loading parameters: bfloat16, which NumPy has only through
+    ml_dtypes, comes as float32 (exactly)."""
+    host = to_numpy(x)
+    return host.astype(np.float32) if host.dtype.name == "bfloat16" else host

@@ -31,7 +31,7 @@ def gpu_check() -> ModuleType:
 def test_torch_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     gpu_check.torch_checks("cpu", [(1, 2, 8, 8)], ("float32", "bfloat16"), lambda: None)
     assert gpu_check.failures == []
-    assert len(gpu_check.passed) == 2 * 2 * 2 + 2  # path and agreement, 2 dtypes x 2 kw; rows, grads
+    assert len(gpu_check.passed) == 2 * 2 * 2 + 2  # path, agreement: 2 dtypes x 2 kw; rows, grads
 
 
 @requires_backend("jax")

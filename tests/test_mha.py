@@ -540,3 +540,115 @@ def test_torch_module_under_torch_compile() -> None:
     torch.testing.assert_close(
         compiled(x, key_padding_mask=pad, causal=True), module(x, key_padding_mask=pad, causal=True)
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Review fixes: masks, drop-in use inside torch's layers, loading, dtypes, errors
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_torch_compat_refuses_integer_masks(which: str) -> None:
+    """torch refuses a uint8/int mask; an old-style 0/1 mask (1 = masked) must not be added
+    to the scores as a bias, silently attending to the keys it meant to hide."""
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    module = MultiHeadAttention(8, 2, seed=0)
+    q, k, v, _ = _torch_inputs(True, None, 0)
+    shape = (q.shape[0], k.shape[1]) if which == "key_padding_mask" else (q.shape[1], k.shape[1])
+    mask = torch.zeros(shape, dtype=torch.uint8)
+    mask[..., -1] = 1
+    with pytest.raises(TypeError, match=f"`{which}`.*uint8.*bool"):
+        module.torch_compat_forward(q, k, v, **{which: mask})
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("training", [False, True])
+def test_from_torch_drop_in_inside_transformer_layers(batch_first: bool, training: bool) -> None:
+    """``from_torch(m, torch_compat=True)`` replaces ``self_attn`` in torch's encoder layer
+    and stack: eval mode with ``batch_first=True`` reads attributes to pick torch's fused
+    path (an AttributeError before); outputs match torch's, with a padding mask too."""
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first
+    )
+    stack = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).train(training)
+    x = torch.randn(2, 5, 16) if batch_first else torch.randn(5, 2, 16)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, -2:] = True  # torch polarity: True = padding
+    with torch.no_grad():
+        want = stack(x, src_key_padding_mask=pad)
+        for sub in stack.layers:
+            sub.self_attn = MultiHeadAttention.from_torch(sub.self_attn, torch_compat=True)
+        got = stack(x, src_key_padding_mask=pad)
+    keep = ~pad if batch_first else ~pad.T  # torch's fast path zeroes padded rows' outputs
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+@requires_backend("torch", "jax")
+def test_state_loads_bfloat16_and_grad_tracking_arrays() -> None:
+    """Every module loads any framework's parameters: bfloat16 (NumPy has it only through
+    ml_dtypes) and tensors that require grad, converted to the module's dtype."""
+    import torch
+    from portable_attention.backends.flax_mha import MultiHeadAttention as FlaxMHA
+    from portable_attention.backends.torch_mha import MultiHeadAttention as TorchMHA
+
+    bf16 = TorchMHA(16, 4, num_kv_heads=2, seed=3, dtype=torch.bfloat16)
+    f32 = TorchMHA(16, 4, num_kv_heads=2, seed=4)  # parameters require grad
+    for source in (bf16.state_dict(), bf16.params(), f32.params()):
+        want = {n: t.detach().float().numpy() for n, t in source.items()}
+        numpy_module = mha.MultiHeadAttention(16, 4, num_kv_heads=2, seed=0)
+        numpy_module.load_state_dict(source)
+        flax_module = FlaxMHA(16, 4, num_kv_heads=2, seed=0)
+        flax_module.load_state_dict(source)
+        torch_module = TorchMHA(16, 4, num_kv_heads=2, seed=0)
+        torch_module.load_portable(flax_module.params())
+        for name, w in want.items():
+            np.testing.assert_array_equal(numpy_module.params[name], w)
+            np.testing.assert_array_equal(np.asarray(flax_module.params()[name]), w)
+            np.testing.assert_array_equal(torch_module.params()[name].detach().numpy(), w)
+
+
+def test_init_params_refuses_dtypes_it_cannot_make() -> None:
+    with pytest.raises(TypeError, match=r"`dtype`.*floating"):
+        mha.init_params(8, 2, dtype=np.int32)
+    if "jax" in BY_NAME:
+        import jax
+        import jax.numpy as jnp
+
+        if not jax.config.jax_enable_x64:  # float64 would come out float32, with a warning
+            with pytest.warns(UserWarning), pytest.raises(TypeError, match="jax_enable_x64"):
+                mha.init_params(8, 2, xp=jnp, dtype=jnp.float64)
+
+
+def test_functional_errors_name_the_argument() -> None:
+    params = mha.init_params(8, 2)
+    x = np.zeros((2, 3, 8), dtype=np.float32)
+    with pytest.raises(TypeError, match="`key_padding_mask` must be boolean"):
+        mha.multi_head_attention(params, x, num_heads=2, key_padding_mask=np.ones((2, 3)))
+    if "torch" in BY_NAME:
+        import torch
+
+        with pytest.raises(TypeError, match=r"`params\['w_q'\]` is a numpy.ndarray.*torch"):
+            mha.multi_head_attention(params, torch.zeros(2, 3, 8), num_heads=2)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
+def test_modules_refuse_dropout_out_of_range(p: float) -> None:
+    """Refused when the module is built (and by ``from_torch``), not at its first call."""
+    with pytest.raises(ValueError, match="`dropout` must be in"):
+        mha.MultiHeadAttention(8, 2, dropout=p)
+    if "torch" in BY_NAME:
+        import torch
+        from portable_attention.backends.torch_mha import MultiHeadAttention
+
+        with pytest.raises(ValueError, match="`dropout` must be in"):
+            MultiHeadAttention(8, 2, dropout=p)
+        if 0 <= p <= 1:  # torch takes p = 1 (all dropped), which attend does not compute
+            with pytest.raises(ValueError, match="`dropout` must be in"):
+                MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, dropout=p))

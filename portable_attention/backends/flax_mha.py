@@ -54,7 +54,7 @@ class MultiHeadAttention(nnx.Module):
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.dropout = dropout
+        self.dropout = _validate.check_dropout(dropout)
         self.deterministic = False  # nnx's .eval() / .train() set this
         self.rngs = rngs
         params = mha.init_params(
@@ -119,6 +119,6 @@ class MultiHeadAttention(nnx.Module):
         _validate.check_state_keys(state, self.names)
         for name in self.names:
             param = getattr(self, name)
-            new = jnp.asarray(np.asarray(state[name]), dtype=param[...].dtype)
+            new = jnp.asarray(mha.host_array(state[name]), dtype=param[...].dtype)
             _validate.check_state_shape(name, tuple(new.shape), tuple(param[...].shape))
             param[...] = new

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from portable_attention import _validate
+from portable_attention._convert import to_backend
 from portable_attention.mha import BIASES, WEIGHTS, init_params, multi_head_attention
 
 __all__ = ["MultiHeadAttention", "TorchCompatMultiHeadAttention"]
@@ -103,7 +104,7 @@ class MultiHeadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
         self.bias = bias
-        self.dropout = dropout
+        self.dropout = _validate.check_dropout(dropout)
         self.batch_first = batch_first
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -226,6 +227,9 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None = None
         bias: torch.Tensor | None = None
         kpm: torch.Tensor | None = None
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
+                raise _validate.torch_mask_dtype_error(name, m.dtype)
         if key_padding_mask is not None:
             if key_padding_mask.dtype == torch.bool:
                 kpm = ~key_padding_mask
@@ -278,8 +282,8 @@ class MultiHeadAttention(nn.Module):
         _validate.check_state_keys(state, params)
         with torch.no_grad():
             for name, p in params.items():
-                src = state[name]
-                t = src if isinstance(src, torch.Tensor) else torch.as_tensor(np.asarray(src))
+                src = state[name]  # any framework's array: bfloat16 and JAX arrays included
+                t = src if isinstance(src, torch.Tensor) else to_backend(src, "torch")
                 _validate.check_state_shape(name, tuple(t.shape), tuple(p.shape))
                 p.copy_(t)
 
@@ -358,6 +362,12 @@ class TorchCompatMultiHeadAttention(MultiHeadAttention):
     """:class:`MultiHeadAttention` whose ``__call__`` takes ``nn.MultiheadAttention``'s
     arguments and conventions (:meth:`MultiHeadAttention.torch_compat_forward`): a drop-in
     replacement for an ``nn.MultiheadAttention`` inside an existing model."""
+
+    #: torch's Transformer layers read these two to choose their own fused kernel, which
+    #: would bypass this module (and raised AttributeError here, in eval mode with
+    #: ``batch_first=True``): None and False make them call :meth:`forward`.
+    in_proj_bias = None
+    _qkv_same_embed_dim = False
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.torch_compat_forward(*args, **kwargs)
