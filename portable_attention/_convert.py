@@ -249,6 +249,8 @@ def _torch_from_numpy(torch: Any, a: np.ndarray) -> Any:
         return _torch_from_numpy(torch, a.view(_ML_DTYPES[name])).view(getattr(torch, name))
     if any(s < 0 for s in a.strides):  # torch cannot hold negative strides (DLPack aborts)
         a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # torch would share it as writable (it ignores DLPack's flag)
+        return torch.from_numpy(np.array(a, copy=True))
     try:
         return torch.from_dlpack(a)
     except _DLPACK_ERRORS:

@@ -33,7 +33,7 @@ import numpy as np
 
 from portable_attention import _cases, attend, plan
 from portable_attention._cases import Array, Case
-from portable_attention._validate import check_cli_names
+from portable_attention._validate import check_cli_names, check_cli_output
 
 #: (rtol, atol) by dtype: a result agrees where ``|x - ref| <= atol + rtol * |ref|``.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -573,6 +573,8 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
     battery = _cases.battery()
     case_names = [c.name for c in battery]
     try:
+        if args.json:
+            check_cli_output(args.json)
         if args.cases:
             chosen = check_cli_names(args.cases, case_names, "cases")
             battery = [c for c in battery if c.name in chosen]

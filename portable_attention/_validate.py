@@ -896,8 +896,10 @@ _DEVICE_HINTS = {
 
 
 def check_convertible(x: object) -> None:
-    """``x`` of ``to_backend``: None, Python scalars, strings and containers are not arrays."""
-    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, list, tuple, dict)):
+    """``x`` of ``to_backend``: None, Python scalars, strings and containers are not arrays
+    (NumPy scalars are, as 0-d arrays: ``numpy.float64`` subclasses ``float`` too)."""
+    python = (bool, int, float, complex, str, bytes, list, tuple, dict)
+    if x is None or (isinstance(x, python) and type(x).__module__ != "numpy"):
         msg = (
             f"`x` must be an array (NumPy, PyTorch, JAX, CuPy or array_api_strict), got "
             f"{_type_name(x)}; make an array of it first, e.g. `numpy.asarray(x)`."
@@ -1057,10 +1059,14 @@ def check_weights_shape(name: str, shape: tuple[int, ...]) -> None:
 
 def check_labels(labels: Sequence[Any] | None, n: int, name: str, axis: str) -> None:
     """Tick labels: one per query (``axis="queries"``) or key (``axis="keys"``), or None."""
+    if labels is not None and not hasattr(labels, "__len__"):
+        msg = f"`{name}` must be a sequence of labels (a list or tuple), got {_type_name(labels)}"
+        raise TypeError(msg)
     if labels is not None and len(labels) != n:
         msg = (
             f"`{name}` has {len(labels)} labels but the weights have {n} {axis} "
-            f"(axis {'-2' if axis == 'queries' else '-1'}); pass one label per {axis[:-1]}"
+            f"(axis {'-2' if axis == 'queries' else '-1'}); pass one label per "
+            f"{'query' if axis == 'queries' else 'key'}"
         )
         raise ValueError(msg)
 
@@ -1071,10 +1077,14 @@ def check_head(head: object, shape: tuple[int, ...]) -> int | tuple[Any, ...]:
     if not shape[:-2]:
         msg = f"`head` needs weights with leading (head) axes; these are 2-D {list(shape)}"
         raise ValueError(msg)
-    if isinstance(head, bool) or not isinstance(head, int | tuple):
+    index = _as_int(head)  # NumPy integers too
+    if index is not None:
+        return index
+    sides = tuple(_as_int(h) for h in head) if isinstance(head, tuple) else (None,)
+    if None in sides:
         msg = f"`head` must be an int or a tuple of ints, got {head!r}"
         raise TypeError(msg)
-    return head
+    return sides
 
 
 def check_head_index(head: int | tuple[Any, ...], shape: tuple[int, ...]) -> None:
@@ -1115,8 +1125,23 @@ def check_grid(shape: tuple[int, ...], ax: object, max_panels: int) -> None:
         raise ValueError(msg)
 
 
+def check_color_limits(vmin: float | None, vmax: float | None) -> None:
+    """``vmin``/``vmax`` of the plots, when both are given: ``vmin < vmax``."""
+    if vmin is not None and vmax is not None and not vmin < vmax:
+        msg = f"`vmin`={vmin!r} must be below `vmax`={vmax!r}"
+        raise ValueError(msg)
+
+
 def check_any_weights(weights: object) -> None:
-    """``weights`` of ``side_by_side``: not empty."""
+    """``weights`` of ``side_by_side``: a mapping (title -> weights), not empty."""
+    from collections.abc import Mapping
+
+    if not isinstance(weights, Mapping):
+        msg = (
+            f"`weights` must be a mapping of panel title -> weights array (a dict), got "
+            f"{_type_name(weights)}; e.g. `side_by_side({{'numpy': w_np, 'torch': w_pt}})`"
+        )
+        raise TypeError(msg)
     if not weights:
         msg = "`weights` is empty: pass a mapping of panel title -> weights array"
         raise ValueError(msg)
@@ -1205,7 +1230,7 @@ def indirect_array_backend_message() -> str:
 def check_cli_names(text: str, known: Sequence[str], what: str) -> list[str]:
     """The names of a comma list option ``--what``, each one of ``known``; else the
     ``argparse.ArgumentTypeError`` the report turns into a usage error."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))  # once each
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         import argparse  # only the command line gets here: the library does not import it
@@ -1215,6 +1240,19 @@ def check_cli_names(text: str, known: Sequence[str], what: str) -> list[str]:
         )
         raise argparse.ArgumentTypeError(msg)
     return names
+
+
+def check_cli_output(path: str) -> None:
+    """``--json FILE``: a file in an existing directory, checked before the run (not after
+    minutes of it); else the ``argparse.ArgumentTypeError`` of a usage error."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or os.path.isdir(path):
+        import argparse
+
+        msg = f"--json {path!r}: not a file in an existing directory"
+        raise argparse.ArgumentTypeError(msg)
 
 
 # transformers integration (portable_attention.integrations.transformers)

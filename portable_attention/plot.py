@@ -155,7 +155,8 @@ def heatmap(
     cmap : str
         A matplotlib colormap name.
     vmin, vmax : float, optional
-        Colour limits, shared by every panel; default ``0`` and the largest weight.
+        Colour limits, shared by every panel of a grid; default ``0`` and the largest
+        weight drawn (of the one head with ``head=``). ``vmin`` must be below ``vmax``.
     colorbar : bool
         Add a colour bar (one for the whole grid).
     title : str, optional
@@ -184,10 +185,11 @@ def heatmap(
     a = _to_numpy(weights)
     _validate.check_labels(query_labels, a.shape[-2], "query_labels", "queries")
     _validate.check_labels(key_labels, a.shape[-1], "key_labels", "keys")
-    low, high = _scale(a, vmin, vmax)
+    _validate.check_color_limits(vmin, vmax)
 
     if a.ndim == 2 or head is not None:
         panel, panel_title = (a, None) if head is None else _pick(a, head)
+        low, high = _scale(panel, vmin, vmax)  # the drawn head's largest weight
         if ax is None:
             _, ax = plt.subplots(
                 figsize=(_inches(panel.shape[1]) + 1.5, _inches(panel.shape[0]) + 1.0)
@@ -207,6 +209,7 @@ def heatmap(
         return ax
 
     _validate.check_grid(a.shape, ax, MAX_PANELS)
+    low, high = _scale(a, vmin, vmax)  # one scale for the whole grid
     lead = a.shape[:-2]
     n = math.prod(lead)
     cols = min(n, 4)

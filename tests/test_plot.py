@@ -213,3 +213,25 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match=r"pip install 'portable-attention\[plot\]'"):
         plot.heatmap(np.eye(2))
+
+
+def test_numpy_integer_heads_and_the_drawn_heads_scale() -> None:
+    """``head=`` takes NumPy integers; one drawn head is scaled to its own largest weight."""
+    w = np.stack([np.full((2, 2), 0.1), np.full((2, 2), 0.9)])
+    ax = plot.heatmap(w, head=np.int64(0))
+    assert ax.get_title() == "head 0"
+    assert ax.images[0].get_clim() == (0.0, 0.1)
+    ax = plot.heatmap(_weights(2, 3), head=(np.int32(1), np.int64(2)))
+    assert ax.get_title() == "batch 1, head 2"
+
+
+def test_clear_errors_for_labels_limits_and_side_by_side_lists() -> None:
+    w = _weights()
+    with pytest.raises(TypeError, match="`key_labels` must be a sequence"):
+        plot.heatmap(w, key_labels=(c for c in "abcde"))
+    with pytest.raises(ValueError, match=r"`vmin`=1.0 must be below `vmax`=0.5"):
+        plot.heatmap(w, vmin=1.0, vmax=0.5)
+    with pytest.raises(TypeError, match="`weights` must be a mapping"):
+        plot.side_by_side([w])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one label per query"):
+        plot.heatmap(w, query_labels=["a"])

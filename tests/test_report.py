@@ -425,3 +425,27 @@ def test_module_entry_point_runs_the_report(tmp_path: Path) -> None:
         ("float16", "native:numpy"),
     ]
     assert all(math.isfinite(r["max_abs"]) for r in rows)
+
+
+def test_demo_verdict_counts_nan_as_disagreement() -> None:
+    """A NaN difference in any output disagrees (``max(0.0, nan)`` is 0.0: not used)."""
+    assert cli._verdict(0.0, 0.0) == "agree"
+    assert cli._verdict(0.0, math.nan) == "DISAGREE"
+    assert cli._verdict(math.nan, 0.0) == "DISAGREE"
+    assert cli._verdict(1e-3) == "DISAGREE"
+
+
+def test_json_path_checked_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A ``--json`` file in a missing directory is a usage error at once (status 2), not a
+    traceback after the whole battery."""
+    assert _report.main(["--json", str(tmp_path / "missing" / "report.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_repeated_cli_names_count_once() -> None:
+    from portable_attention._validate import check_cli_names
+
+    assert check_cli_names("torch,numpy,torch", ["numpy", "torch"], "backends") == [
+        "torch",
+        "numpy",
+    ]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
+import array_api_compat
 import numpy as np
 import pytest
 from portable_attention import attend
@@ -589,6 +590,54 @@ def test_same_nans_and_infs_agree() -> None:
     outs = assert_backends_agree(lambda a: a * 1, x, backends=COMPARE)
     for name in COMPARE:
         np.testing.assert_array_equal(outs[name], x)
+
+
+@needs_two
+@pytest.mark.parametrize(
+    ("reference", "other"),
+    [(np.nan, 1.0), (np.inf, 2.0), (-np.inf, 3.0), (-np.inf, np.inf), (1.0, np.nan)],
+)
+def test_a_nan_or_infinite_reference_agrees_only_with_its_equal(
+    reference: float, other: float
+) -> None:
+    """A NaN or infinite reference has no finite tolerance bound, so no finite distance
+    may be taken for agreement (an lse of -inf against a finite lse must fail)."""
+    first = COMPARE[0]
+
+    def fn(a: Any) -> Any:
+        value = reference if source_framework(a) == first else other
+        return a * 0 + value
+
+    x = np.zeros(3, dtype=np.float64)
+    with pytest.raises(AssertionError, match="3 of 3 elements differ"):
+        assert_backends_agree(fn, x, backends=COMPARE)
+
+
+@needs_two
+def test_numpy_float64_scalars_are_arrays() -> None:
+    """``numpy.float64`` subclasses ``float`` but is a NumPy scalar: a 0-d array, as
+    ``numpy.float32`` is, as input and as output (NumPy's reductions return it)."""
+    x = np.arange(4, dtype=np.float64)
+
+    def total(a: Any) -> Any:
+        return array_api_compat.array_namespace(a).sum(a * a)
+
+    outs = assert_backends_agree(total, x, backends=COMPARE)
+    assert all(float(np.asarray(o)) == 14.0 for o in outs.values())
+    for scalar in (np.float64(1.5), np.complex128(1j)):
+        out = to_numpy(to_backend(scalar, COMPARE[1]))
+        assert out.shape == () and out.dtype == np.asarray(scalar).dtype and out == scalar
+
+
+@requires_backend("torch")
+def test_read_only_numpy_array_is_copied_for_torch() -> None:
+    """torch ignores DLPack's read-only flag: sharing would let the tensor write into an
+    array its owner made read-only (a NumPy view of a JAX array, for one)."""
+    a = np.arange(4, dtype=np.float32)
+    a.flags.writeable = False
+    t = to_backend(a, "torch")
+    t += 100
+    np.testing.assert_array_equal(a, np.arange(4, dtype=np.float32))
 
 
 @needs_two

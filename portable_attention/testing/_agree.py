@@ -164,15 +164,16 @@ def _compare_arrays(
         err = np.where(same, 0.0, np.abs(a - b))
         err = np.where(np.isnan(err), np.inf, err)  # NaN against a number, inf against -inf
         bound = at + rt * np.abs(a)
-        bad = err > bound
+        # A NaN or infinite reference agrees only with its equal: its bound is not finite.
+        bad = (err > bound) | (~same & ~np.isfinite(a))
         if kind in "biu" and rt == 0 and at == 0:
             bad = np.asarray(ref != got)  # exact, even where float64 would round
         if not bad.any():
             return None
         mag = np.abs(a)
-        rel = np.divide(err, mag, out=np.full_like(err, np.inf), where=mag > 0)
+        rel = np.divide(err, mag, out=np.full_like(err, np.inf), where=(mag > 0) & np.isfinite(mag))
         rel = np.where(err == 0, 0.0, rel)
-        over = np.where(bad, err - bound, -np.inf)
+        over = np.where(bad, np.where(np.isfinite(bound), err - bound, np.inf), -np.inf)
     i_abs, i_rel, i_worst = (int(np.argmax(e)) for e in (err, rel, over))
     return (
         f"{int(bad.sum())} of {a.size} elements differ beyond rtol={rt:g}, atol={at:g} "
