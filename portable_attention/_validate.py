@@ -856,11 +856,12 @@ def check_ndim(name: str, x: Any, least: int, layout: str) -> None:
 
 
 def check_length(name: str, value: object) -> int:
-    """A sequence length for the mask builders: an int >= 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """A sequence length for the mask builders: an int >= 0 (NumPy integers too)."""
+    length = _as_int(value)
+    if length is None or length < 0:
         msg = f"`{name}` must be an int >= 0, got {value!r}."
         raise ValueError(msg)
-    return value
+    return length
 
 
 def check_mask_shapes(name_a: str, a: Any, name_b: str, b: Any, axes: str) -> None:
@@ -1342,13 +1343,22 @@ def check_lengths_shape(shape: tuple[int, ...]) -> None:
         raise ValueError(msg)
 
 
-def check_mha_sizes(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
-    """``init_params``: ``embed_dim`` a positive multiple of ``num_heads``, which
+def check_mha_sizes(
+    embed_dim: int, num_heads: int, num_kv_heads: int, kdim: int | None, vdim: int | None
+) -> None:
+    """``init_params``: positive ints; ``embed_dim`` a multiple of ``num_heads``, which
     ``num_kv_heads`` divides."""
-    if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads:
+    sizes = {"embed_dim": embed_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    sizes |= {n: d for n, d in (("kdim", kdim), ("vdim", vdim)) if d is not None}
+    for name, size in sizes.items():
+        as_int = _as_int(size)
+        if as_int is None or as_int <= 0:
+            msg = f"`{name}` must be a positive int, got {size!r}"
+            raise TypeError(msg) if as_int is None else ValueError(msg)
+    if embed_dim % num_heads:
         msg = f"`embed_dim`={embed_dim} must be a positive multiple of `num_heads`={num_heads}"
         raise ValueError(msg)
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+    if num_heads % num_kv_heads:
         msg = f"`num_kv_heads`={num_kv_heads} must be a positive divisor of `num_heads`={num_heads}"
         raise ValueError(msg)
 

@@ -178,7 +178,7 @@ def init_params(
         Seed of the NumPy generator.
     """
     hk = num_heads if num_kv_heads is None else num_kv_heads
-    _validate.check_mha_sizes(embed_dim, num_heads, hk)
+    _validate.check_mha_sizes(embed_dim, num_heads, hk, kdim, vdim)
     if xp is None:
         import numpy as xp
     ns = array_api_compat.array_namespace(xp.asarray(0.0))

@@ -259,3 +259,12 @@ def test_combine_names_the_mask_that_does_not_fit(backend: Backend) -> None:
     f = backend.asarray(np.ones((3, 1)), "float32")
     with pytest.raises(TypeError, match=r"`masks\[1\]`.*boolean"):
         masks.combine(a, f)
+
+
+def test_lengths_take_numpy_integers() -> None:
+    """Lengths read off a NumPy shape or array (``numpy.int64``) are ints, as window sides are."""
+    np.testing.assert_array_equal(
+        masks.causal_mask(np.int64(3), np.int32(4)), masks.causal_mask(3, 4)
+    )
+    with pytest.raises(ValueError, match="`lq` must be an int >= 0"):
+        masks.causal_mask(np.float64(3.0))

@@ -652,3 +652,14 @@ def test_modules_refuse_dropout_out_of_range(p: float) -> None:
         if 0 <= p <= 1:  # torch takes p = 1 (all dropped), which attend does not compute
             with pytest.raises(ValueError, match="`dropout` must be in"):
                 MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2, dropout=p))
+
+
+def test_init_params_sizes_are_positive_ints() -> None:
+    """NumPy integers are ints; bools, floats and non-positive sizes are refused by name."""
+    assert mha.init_params(8, np.int64(2))["w_q"].shape == (8, 8)
+    with pytest.raises(ValueError, match="`kdim` must be a positive int"):
+        mha.init_params(8, 2, kdim=0)
+    with pytest.raises(TypeError, match="`num_heads` must be a positive int"):
+        mha.init_params(8, True)
+    with pytest.raises(TypeError, match="`embed_dim` must be a positive int"):
+        mha.init_params(8.0, 2)
