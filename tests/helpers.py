@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 from typing import Any
 
@@ -78,3 +81,21 @@ def check_against_oracle(
         assert not np.any(np.isnan(lse_np)), "lse has NaN"
         np.testing.assert_array_equal(np.isneginf(lse_np), empty, err_msg="lse -inf rows")
         assert_close(lse_np[~empty], ref_lse[~empty], dtype_name, what="lse")
+
+
+def run_python(code: str, *, timeout: float = 300) -> str:
+    """Run ``code`` in a fresh interpreter (the tests folder importable) and return its
+    stdout; a failure shows the end of its stderr. For what needs a fresh process: flags
+    read when a framework starts, ``fork``, a first trace."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -6,10 +6,7 @@ Each message must name the offending argument in backticks (docs/api-decisions.m
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -17,7 +14,7 @@ import pytest
 from portable_attention import attend, plan
 
 from conftest import Backend, foreign_array
-from helpers import randn, rng_for
+from helpers import randn, rng_for, run_python
 
 ENTRY_POINTS = {"attend": attend, "plan": plan}
 
@@ -415,18 +412,8 @@ def test_jax_arrays_sharded_over_the_same_devices() -> None:
 
     if "jax" not in BY_NAME:
         pytest.skip("jax not selected")
-    tests = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", _SHARDED],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("refused: `k` is on device"), done.stdout
+    out = run_python(_SHARDED)
+    assert out.startswith("refused: `k` is on device"), out
 
 
 def test_errors_leave_inputs_unmodified(backend: Backend) -> None:

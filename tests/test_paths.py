@@ -4,8 +4,6 @@ agrees with the portable path and the oracle, and that decisions never depend on
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 import threading
 import warnings
 from typing import Any
@@ -18,7 +16,7 @@ from portable_attention.backends import numpy as numpy_backend
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
-from helpers import assert_close, assert_like, randn, rng_for
+from helpers import assert_close, assert_like, randn, rng_for, run_python
 
 
 def _qkv(backend: Backend, shape_q: tuple, shape_kv: tuple, dtype: str = "float32") -> tuple:
@@ -308,15 +306,7 @@ def test_torch_compile_fullgraph_dynamic() -> None:
     """``dynamic=True`` makes the float options symbolic (``dropout=0.0`` by default):
     validation must take them without tracing a ``getattr`` on them. In a fresh
     interpreter: after other compiled calls in this process the trace did not fail."""
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_DYNAMIC],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "ok"
+    assert run_python(_COMPILE_DYNAMIC).strip() == "ok"
 
 
 @requires_backend("torch")

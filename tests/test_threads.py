@@ -9,8 +9,6 @@ Results are compared bit for bit with serial calls of the same arguments.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from portable_attention import _attention, _plan, attend, plan
 from portable_attention.backends import numpy as numpy_backend
 
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
-from helpers import randn, rng_for
+from helpers import randn, rng_for, run_python
 
 Job = tuple[str, Callable[[], Any]]
 
@@ -274,8 +272,4 @@ def test_threaded_kernel_in_a_forked_child() -> None:
     before Python 3.14) inherits the pool without its threads: the call must not wait for
     them forever, and gives the parent's result."""
     _blas_or_skip()
-    done = subprocess.run(
-        [sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "child exit 0"
+    assert run_python(_FORKED, timeout=120).strip() == "child exit 0"
