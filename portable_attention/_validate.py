@@ -1406,6 +1406,23 @@ def check_state_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ..
         raise ValueError(msg)
 
 
+def check_is_torch_mha(m: object, torch_mha: type) -> None:
+    """``from_torch``: an ``nn.MultiheadAttention`` (or a subclass)."""
+    if not isinstance(m, torch_mha):
+        msg = f"`m` must be a torch.nn.MultiheadAttention, got {_type_name(m)}"
+        raise TypeError(msg)
+
+
+def flax_dropout_key_error() -> ValueError:
+    """The Flax module in training mode with ``dropout > 0`` and no key to draw from."""
+    msg = (
+        "`dropout` > 0 in training mode needs JAX keys: build the module with "
+        "`rngs=nnx.Rngs(dropout=0)`, pass `rng=jax.random.key(...)` to the call, or call "
+        "`.eval()` to turn dropout off."
+    )
+    return ValueError(msg)
+
+
 def check_torch_mha_extras(uses_extras: bool) -> None:
     """``from_torch``: an ``nn.MultiheadAttention`` without add_bias_kv / add_zero_attn."""
     if uses_extras:

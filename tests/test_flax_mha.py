@@ -102,3 +102,17 @@ def test_state_moves_between_torch_and_flax() -> None:
         np.testing.assert_array_equal(back(torch.from_numpy(np.asarray(x))).numpy(), ref)
     with pytest.raises(ValueError, match="`state`"):
         f.load_state_dict({"w_q": np.zeros((16, 16))})
+
+
+def test_dropout_without_keys_says_how_to_give_them() -> None:
+    """Training mode with dropout and neither ``rngs`` nor ``rng=``: the error names the
+    three ways out; an explicit key or ``.eval()`` runs."""
+    import jax
+
+    m = _module(dropout=0.5)
+    x = _x()
+    with pytest.raises(ValueError, match=r"rngs=nnx\.Rngs.*rng=.*\.eval\(\)"):
+        m(x)
+    assert m(x, rng=jax.random.key(0)).shape == x.shape
+    m.eval()
+    assert m(x).shape == x.shape

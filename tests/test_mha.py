@@ -663,3 +663,12 @@ def test_init_params_sizes_are_positive_ints() -> None:
         mha.init_params(8, True)
     with pytest.raises(TypeError, match="`embed_dim` must be a positive int"):
         mha.init_params(8.0, 2)
+
+
+@requires_backend("torch")
+def test_from_torch_takes_only_multihead_attention() -> None:
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    with pytest.raises(TypeError, match=r"`m` must be a torch\.nn\.MultiheadAttention"):
+        MultiHeadAttention.from_torch(torch.nn.Linear(8, 8))  # type: ignore[arg-type]

@@ -92,7 +92,9 @@ class MultiHeadAttention(nnx.Module):
         """Batch-first attention in this package's conventions (True = may attend / real
         key); returns ``out [B, Lq, E]`` or ``(out, weights [B, Hq, Lq, Lk])``."""
         p = 0.0 if self.deterministic else self.dropout
-        if p > 0 and rng is None and self.rngs is not None:
+        if p > 0 and rng is None:
+            if self.rngs is None:
+                raise _validate.flax_dropout_key_error()
             rng = self.rngs.dropout()
         return mha.multi_head_attention(
             self.params(),

@@ -297,6 +297,7 @@ class MultiHeadAttention(nn.Module):
         ``torch_compat=True`` returns a :class:`TorchCompatMultiHeadAttention` (torch's
         ``forward`` signature: a drop-in replacement).
         """
+        _validate.check_is_torch_mha(m, nn.MultiheadAttention)
         _validate.check_torch_mha_extras(
             m.bias_k is not None or m.bias_v is not None or bool(m.add_zero_attn)
         )
