@@ -102,6 +102,8 @@ def prepare_fused(call: _validate.Call) -> Callable[[Any, Any, Any], Any] | None
         bound["is_causal"] = True
     if call.scale != _validate.default_scale(call.q_shape[-1]):
         bound["scale"] = call.scale
+    if not bound:  # SDPA itself: one Python call less than a partial of nothing
+        return F.scaled_dot_product_attention
     return functools.partial(F.scaled_dot_product_attention, **bound)
 
 
