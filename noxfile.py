@@ -1,7 +1,7 @@
 """nox sessions for portable_attention.
 
 Plain ``nox`` runs ``tests-all`` (every CPU backend in one environment, the whole
-suite) and ``lint``; each framework is installed once. ``nox -l`` lists all sessions;
+suite), ``lint`` and ``docs``; each framework is installed once. ``nox -l`` lists all sessions;
 ``nox -s torch`` runs one backend alone. Environments are reused between runs.
 
 Every test session sets ``PORTABLE_ATTENTION_BACKENDS`` to exactly the backends it

@@ -8,8 +8,9 @@ the softmax's max pass skipped where the row sums show it was not needed (see
 :func:`_block`), the row sums taken by a matrix-vector product, the division done on
 ``[Lq, Dv]`` instead of ``[Lq, Lk]``, and query blocks of bounded size.
 
-Threads: for calls of 4M scores and more, when ``threadpoolctl`` is installed and finds
-the BLAS, query blocks run on all cores (this thread and a pool) with the BLAS pinned to
+Threads: for calls of 4M scores and more without dropout, when ``threadpoolctl`` is
+installed and finds the BLAS, query blocks run on up to 4 threads (this thread and a pool,
+no more than the cores) with the BLAS pinned to
 one thread for the duration of the call; NumPy releases the GIL in matmul and ufuncs, so
 the elementwise passes run in parallel too. Smaller calls, and all calls where the BLAS
 cannot be pinned, run on this thread with the BLAS's own threads: waking a pool thread
@@ -39,7 +40,7 @@ from portable_attention.backends.generic import RNG, keep_mask
 __all__ = ["NATIVE_PATH", "RNG", "keep_mask", "native_reason", "run_native"]
 
 NATIVE_PATH = "native:numpy"
-NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, query blocks on all cores)"
+NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, blocks of queries)"
 
 #: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
 #: blocks measured faster here (L=16384: 7.3 s at 4M scores per block, 15.4 s at 1M).

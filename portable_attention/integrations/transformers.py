@@ -246,7 +246,8 @@ def register(name: str = "portable") -> str:
 
     Examples
     --------
-    >>> from transformers import AutoModelForCausalLM, LlamaConfig  # doctest: +SKIP
+    >>> from transformers import AutoModelForCausalLM, LlamaConfig
+    >>> from portable_attention.integrations.transformers import register
     >>> config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     ...                      num_key_value_heads=2, intermediate_size=128, vocab_size=100)
     >>> model = AutoModelForCausalLM.from_config(config, attn_implementation=register())
