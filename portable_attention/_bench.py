@@ -120,8 +120,14 @@ def _peak_rss_mib() -> float:
 
 
 def seed_formula(q: Any, k: Any, v: Any) -> Any:
-    """The seed's NumPy attention, the anchor for NumPy."""
-    scores = np.matmul(q, k.swapaxes(-1, -2)) / np.sqrt(q.shape[-1])
+    """The seed's NumPy attention, the anchor for NumPy, in the inputs' dtype.
+
+    The seed divides by ``np.sqrt(d_k)``, a float64 NumPy scalar: under NumPy 1 float32
+    scores stayed float32, under NumPy 2 (NEP 50) they become float64, and every later
+    pass runs at half speed (2.2-2.8x slower in all at these shapes). The anchor divides
+    by a Python float, so it computes in float32 as the seed meant, not in float64.
+    """
+    scores = np.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1])
     weights = np.exp(scores - np.max(scores, axis=-1, keepdims=True))
     weights = weights / np.sum(weights, axis=-1, keepdims=True)
     return np.matmul(weights, v)

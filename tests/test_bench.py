@@ -19,6 +19,13 @@ def test_seed_formula_is_plain_attention() -> None:
     np.testing.assert_allclose(_bench.seed_formula(q, k, v), oracle.attention(q, k, v)[0])
 
 
+def test_seed_formula_keeps_float32() -> None:
+    """The anchor computes in float32 for float32 inputs: the seed's ``np.sqrt`` would make
+    it float64 under NumPy 2 and flatter every NumPy ratio by 2-3x."""
+    q = np.ones((1, 2, 3, 4), dtype=np.float32)
+    assert _bench.seed_formula(q, q, q).dtype == np.float32
+
+
 def test_bench_reports_every_installed_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
