@@ -113,10 +113,15 @@ def band_keeps_all(call: Call) -> bool:
     if call.causal is None and call.window is None:
         return True
     left, right = window_sides(call)
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    offset = lk - lq if call.align == "lower_right" else 0
-    # Key j is kept for query i when -left <= j - (i + offset) <= right.
-    return (right is None or right >= lk - 1 - offset) and (left is None or left >= lq - 1 + offset)
+    nearest, farthest = _distances(call, (0, call.q_shape[-2]), (0, call.k_shape[-2]))
+    return (left is None or nearest >= -left) and (right is None or farthest <= right)
+
+
+def _distances(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:
+    """The smallest and largest ``j - p(i)`` over a block: key j's distance from query i's
+    aligned position (key j is kept when ``-left <= j - p(i) <= right``)."""
+    offset = call.k_shape[-2] - call.q_shape[-2] if call.align == "lower_right" else 0
+    return cols[0] - (rows[1] - 1) - offset, (cols[1] - 1) - rows[0] - offset
 
 
 def structural_mask(
@@ -165,10 +170,7 @@ def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) ->
     if call.causal is None and call.window is None:
         return False
     left, right = window_sides(call)
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    offset = lk - lq if call.align == "lower_right" else 0
-    nearest = cols[0] - (rows[1] - 1) - offset  # smallest key-minus-aligned-query distance
-    farthest = (cols[1] - 1) - rows[0] - offset
+    nearest, farthest = _distances(call, rows, cols)
     return (left is not None and farthest < -left) or (right is not None and nearest > right)
 
 
