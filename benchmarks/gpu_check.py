@@ -1,28 +1,38 @@
 """One prepared GPU check (run where an NVIDIA GPU exists; nothing here runs in CI).
 
-    python benchmarks/gpu_check.py
+    python3 benchmarks/gpu_check.py
 
 For torch CUDA (float16/bfloat16/float32), JAX on GPU and CuPy: that ``plan()`` picks the
-fused path (and, for JAX in float16/bfloat16, that the compiled program calls cuDNN's
-attention), agreement of that path with the portable path (max abs error), rows with no
-key giving exactly 0, and the ratio of each anchor's time to ours (torch SDPA, jax.nn
-with cudnn), as in ``python -m portable_attention bench``. Prints one line per check; a
-section that raises is reported as a failure and the others still run. Exits 1 on any
-failure, 2 where no check ran (no GPU found).
+fused path (for torch in half precision, that SDPA runs with its math kernel disabled;
+for JAX in float16/bfloat16, that the compiled program calls cuDNN's fused attention),
+agreement of that path with the portable path (max abs error), rows with no key giving
+exactly 0 and finite gradients, and the ratio of each anchor's time to ours (torch SDPA,
+jax.nn with cudnn), as in ``python -m portable_attention bench``.
+
+Each framework runs in a process of its own (``--section NAME``) under a time limit, so
+that a crash or hang in one cannot take the others' results, and JAX never meets the
+cuDNN torch loaded first (JAX then falls back to the CPU, and says so only in its log).
+Each prints its versions and devices, then one line per check. Exits 0 when every check
+passed, 1 on any failure (a section that raises, crashes or runs out of time fails,
+and so does an installed framework that sees no GPU where another one does), 2 where no
+check ran (no framework sees a GPU).
 
 On the project's lent device machine (torch, jax, cupy and numpy installed, but not
 array-api-compat), from the repository root, with the wheel downloaded here first
-(``pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl
-array-api-compat``) and ``.whl`` carried::
+(``echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps
+--only-binary=:all: --python-version 3.12 -d .whl array-api-compat``), ``.whl`` carried
+and ``timeout_s=540``::
 
-    set -o pipefail; pip install --no-deps .whl/array_api_compat-*.whl &&
-        PYTHONPATH=. PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py 2>&1 |
-        tee $OUT/gpu_check.log
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile
+        --no-cache-dir --disable-pip-version-check --target /tmp/site
+        .whl/array_api_compat-*.whl && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+        timeout 480 python3 benchmarks/gpu_check.py 2>&1 | tee $OUT/gpu_check.log
 """
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 import traceback
@@ -35,6 +45,10 @@ from portable_attention import attend, plan
 
 SHAPES = [(1, 8, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64)]
 TOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 2e-3}
+#: Seconds each framework's process may run (compiles included) before it fails.
+SECTION_TIMEOUT_S = 200
+#: Exit status of a section whose framework sees no GPU.
+NO_DEVICE = 3
 failures: list[str] = []
 passed: list[str] = []
 
@@ -62,23 +76,30 @@ def expect(name: str, ok: bool, detail: str) -> None:
     (passed if ok else failures).append(name)
 
 
-def section(name: str, fn: Callable[[], None]) -> None:
-    """Run one backend's checks; an exception fails that section, not the script."""
+def section(name: str, fn: Callable[[], Any]) -> Any:
+    """Run one backend's checks; an exception fails that section (None), not the script."""
     try:
-        fn()
+        return fn()
     except Exception as err:  # report and go on: device time is scarce
         traceback.print_exc()
         print(f"FAIL {name}: {type(err).__name__}: {err}")
         failures.append(name)
+        return None
 
 
-def torch_cuda() -> None:
+def torch_cuda() -> bool:
     import torch
 
+    print(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version()}, devices {torch.cuda.device_count()}"
+    )
     if not torch.cuda.is_available():
         print("torch: no CUDA device")
-        return
+        return False
+    print(f"torch device 0: {torch.cuda.get_device_name(0)}")
     torch_checks("cuda", SHAPES, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
+    return True
 
 
 def torch_checks(
@@ -113,27 +134,55 @@ def torch_checks(
                     TOL[dtype],
                     f"ratio {anchor / ours:.2f}",
                 )
-    mask = torch.zeros(4, 6, dtype=torch.bool, device=device)
-    mask[0] = True
-    q = torch.randn(1, 2, 4, 8, device=device, dtype=getattr(torch, dtypes[0]))
-    out = attend(q, q[:, :, :1].expand(1, 2, 6, 8), q[:, :, :1].expand(1, 2, 6, 8), mask=mask)
-    check("torch fully-masked rows are 0", float(out[:, :, 1:].abs().max()), 0.0)
-    # Their gradients must be finite (0) too: a repair after SDPA must not pass NaN back.
-    qg = q.detach().float().requires_grad_()
-    kv = qg[:, :, :1].expand(1, 2, 6, 8)
-    attend(qg, kv, kv, mask=mask).sum().backward()
-    grad = qg.grad
-    bad = float((~torch.isfinite(grad)).sum()) if grad is not None else float("inf")
-    check("torch fully-masked rows: finite gradients", bad, 0.0)
+                if device == "cuda" and dtype != "float32":
+                    _torch_without_math(q, k, v, kw, f"torch {dtype} {shape} {kw}")
+        _torch_masked_rows(device, dt, dtype, sync)
 
 
-def jax_gpu() -> None:
+def _torch_without_math(q: Any, k: Any, v: Any, kw: dict[str, Any], name: str) -> None:
+    """SDPA's flash, memory-efficient or cuDNN kernel takes the call: with the math
+    kernel disabled, a call SDPA could only run there raises."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    fast += [SDPBackend.CUDNN_ATTENTION] if hasattr(SDPBackend, "CUDNN_ATTENTION") else []
+    with sdpa_kernel(fast):
+        attend(q, k, v, **kw)
+    expect(f"{name} fused kernel", True, "ran with SDPA's math kernel disabled")
+
+
+def _torch_masked_rows(device: str, dt: Any, dtype: str, sync: Callable[[], Any]) -> None:
+    """Rows with no key: outputs exactly 0 and finite gradients, in ``dt``, at Lq = 192
+    (a partial 128-row tile) with a mask (cuDNN's backward was reported to give NaN there)."""
+    import torch
+
+    lq, lk = 192, 200
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    mask[1::3] = False  # every third query row sees no key
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, n, 64, device=device, generator=gen).to(dt).requires_grad_()
+        for n in (lq, lk, lk)
+    )
+    out = attend(q, k, v, mask=mask)
+    check(f"torch {dtype} fully-masked rows are 0", float(out[:, :, 1::3].abs().max()), 0.0)
+    out.float().sum().backward()
+    sync()
+    bad = sum(float((~torch.isfinite(x.grad)).sum()) for x in (q, k, v) if x.grad is not None)
+    missing = sum(x.grad is None for x in (q, k, v))
+    check(f"torch {dtype} fully-masked rows: finite gradients", bad + missing, 0.0)
+    check(f"torch {dtype} fully-masked rows: zero dq", float(q.grad[:, :, 1::3].abs().max()), 0.0)
+
+
+def jax_gpu() -> bool:
     import jax
 
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     if jax.default_backend() != "gpu":
         print("jax: no GPU backend")
-        return
+        return False
     jax_checks(SHAPES, ("float16", "bfloat16", "float32"), "fused:jax")
+    return True
 
 
 def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str) -> None:
@@ -155,11 +204,19 @@ def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str
                     nn_kw = {**nn_kw, "local_window_size": kw["window"]}
                 p = plan(q, k, v, **kw)
                 expect(f"jax {dtype} {shape} {kw} path", p.path == path, p.path)
-                ours_fn = jax.jit(lambda a, b, c, kw=kw: attend(a, b, c, **kw))
+                ours_fn = jax.jit(lambda a, b, c, kw=kw: attend(a, b, c, **kw)).lower(q, k, v)
+                ours_fn = ours_fn.compile()
                 if dtype != "float32" and on_gpu:  # cuDNN takes half precision only
-                    hlo = ours_fn.lower(q, k, v).compile().as_text().lower()
-                    expect(f"jax {dtype} {shape} {kw} cudnn", "cudnn" in hlo, "cuDNN in the HLO")
-                ref = attend(q, k, v, implementation="portable", **kw)
+                    hlo = ours_fn.as_text()
+                    expect(
+                        f"jax {dtype} {shape} {kw} cudnn",
+                        "__cudnn$fmha" in hlo,
+                        "cuDNN's fused attention in the compiled program",
+                    )
+                ref_fn = jax.jit(
+                    lambda a, b, c, kw=kw: attend(a, b, c, implementation="portable", **kw)
+                )
+                ref = ref_fn(q, k, v)
                 err = float(jnp.max(jnp.abs(ours_fn(q, k, v).astype(float) - ref.astype(float))))
                 btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
                 impl = "cudnn" if dtype != "float32" and on_gpu else None
@@ -176,46 +233,126 @@ def jax_checks(shapes: list[tuple[int, ...]], dtypes: tuple[str, ...], path: str
                     TOL[dtype],
                     f"ratio {anchor / ours:.2f}",
                 )
+        _jax_masked_rows(dtype)
 
 
-def cupy_via_torch() -> None:
+def _jax_masked_rows(dtype: str) -> None:
+    """Rows with no key under jit: outputs exactly 0 and finite, zero gradients (jax.nn
+    gives the mean of V there; the adapter must restore zeros)."""
+    import jax
+    import jax.numpy as jnp
+
+    lq, lk = 192, 200
+    mask = jnp.ones((lq, lk), dtype=bool).at[1::3].set(False)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (
+        jax.random.normal(key, (1, 2, n, 64)).astype(dtype)
+        for key, n in zip(keys, (lq, lk, lk), strict=True)
+    )
+    fn = jax.jit(lambda a, b, c: attend(a, b, c, mask=mask))
+    out = fn(q, k, v)
+    check(f"jax {dtype} fully-masked rows are 0", float(jnp.max(jnp.abs(out[:, :, 1::3]))), 0.0)
+    grads = jax.jit(jax.grad(lambda a, b, c: fn(a, b, c).astype(float).sum(), (0, 1, 2)))(q, k, v)
+    bad = sum(float(jnp.sum(~jnp.isfinite(g))) for g in grads)
+    check(f"jax {dtype} fully-masked rows: finite gradients", bad, 0.0)
+    check(
+        f"jax {dtype} fully-masked rows: zero dq",
+        float(jnp.max(jnp.abs(grads[0][:, :, 1::3]))),
+        0.0,
+    )
+
+
+def cupy_via_torch() -> bool:
     import cupy
 
     try:
         devices = cupy.cuda.runtime.getDeviceCount()
     except Exception:  # no driver
         devices = 0
+    print(f"cupy {cupy.__version__}, devices {devices}")
     if not devices:
         print("cupy: no CUDA device")
-        return
+        return False
     rng = np.random.default_rng(0)
-    q, k, v = (
-        cupy.asarray(rng.standard_normal((2, 4, 64, 32)), dtype=cupy.float32) for _ in range(3)
+    for dtype, tol in (("float32", TOL["float32"]), ("float16", TOL["float16"])):
+        q, k, v = (cupy.asarray(rng.standard_normal((2, 4, 64, 32)), dtype=dtype) for _ in range(3))
+        p = plan(q, k, v, causal=True)
+        expect(f"cupy {dtype} path", p.path == "fused:cupy-via-torch", p.path)
+        out = attend(q, k, v, causal=True)
+        ref = attend(q, k, v, causal=True, implementation="portable")
+        expect(f"cupy {dtype} result type", isinstance(out, cupy.ndarray), type(out).__name__)
+        err = float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max())
+        check(f"cupy {dtype} [{p.path}]", err, tol)
+    # Reversed (negative-stride) keys: DLPack to torch takes no negative strides.
+    flipped = k[:, :, ::-1]
+    err = float(
+        cupy.abs(attend(q, flipped, v) - attend(q, flipped, v, implementation="portable")).max()
     )
-    p = plan(q, k, v, causal=True)
-    expect("cupy path", p.path == "fused:cupy-via-torch", p.path)
-    out = attend(q, k, v, causal=True)
-    ref = attend(q, k, v, causal=True, implementation="portable")
-    expect("cupy result type", isinstance(out, cupy.ndarray), type(out).__name__)
-    check(f"cupy float32 [{p.path}]", float(cupy.abs(out - ref).max()), TOL["float32"])
+    check("cupy negative strides", err, TOL["float16"])
+    mask = cupy.ones((64, 64), dtype=bool)
+    mask[1::3] = False
+    out = attend(q, k, v, mask=mask)
+    check("cupy fully-masked rows are 0", float(cupy.abs(out[:, :, 1::3]).max()), 0.0)
+    return True
 
 
-def main() -> int:
-    """Every section whose framework is installed; 1 on a failure, 2 if nothing ran."""
-    for mod, fn in (("torch", torch_cuda), ("jax", jax_gpu), ("cupy", cupy_via_torch)):
-        if importlib.util.find_spec(mod) is None:
-            print(f"{mod}: not installed")
-        else:
-            section(mod, fn)
+SECTIONS: dict[str, Callable[[], bool]] = {
+    "torch": torch_cuda,
+    "jax": jax_gpu,
+    "cupy": cupy_via_torch,
+}
+
+
+def run_section(name: str) -> int:
+    """This process's one section: 0 passed, 1 failed, ``NO_DEVICE`` without a GPU."""
+    found = section(name, SECTIONS[name])
     if failures:
-        print("FAILED: " + ", ".join(failures))
+        print(f"{name}: FAILED: " + ", ".join(failures))
         return 1
-    if not passed:
-        print("no GPU check ran: no CUDA device, no JAX GPU backend, no CuPy")
-        return 2
-    print(f"all {len(passed)} GPU checks agree")
+    if not found:
+        return NO_DEVICE
+    print(f"{name}: all {len(passed)} checks agree")
     return 0
 
 
+def verdict(status: dict[str, int]) -> int:
+    """The script's exit status from each section's: ``NO_DEVICE`` everywhere (or no
+    section) is 2; any other status but 0 is 1: a failure, a crash, or an installed
+    framework that sees no GPU where another one does."""
+    found = [n for n, rc in status.items() if rc != NO_DEVICE]
+    if not found:
+        print("no GPU check ran: no CUDA device, no JAX GPU backend, no CuPy")
+        return 2
+    failed = [n for n, rc in status.items() if rc != 0]
+    if failed:
+        print("FAILED sections: " + ", ".join(f"{n} (exit {status[n]})" for n in failed))
+        return 1
+    print(f"all GPU checks agree ({', '.join(found)})")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Every installed framework's section in a process of its own; 1 on a failure, 2
+    if no framework sees a GPU."""
+    if argv[:1] == ["--section"]:
+        return run_section(argv[1])
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # before the sections' lines
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
+    status: dict[str, int] = {}
+    for name in SECTIONS:
+        if importlib.util.find_spec(name) is None:
+            print(f"{name}: not installed")
+            continue
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--section", name], timeout=SECTION_TIMEOUT_S
+            )
+            status[name] = done.returncode
+        except subprocess.TimeoutExpired:
+            print(f"FAIL {name}: no result within {SECTION_TIMEOUT_S} s")
+            status[name] = 1
+    return verdict(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

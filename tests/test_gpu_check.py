@@ -31,14 +31,16 @@ def gpu_check() -> ModuleType:
 def test_torch_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     gpu_check.torch_checks("cpu", [(1, 2, 8, 8)], ("float32", "bfloat16"), lambda: None)
     assert gpu_check.failures == []
-    assert len(gpu_check.passed) == 2 * 2 * 2 + 2  # path, agreement: 2 dtypes x 2 kw; rows, grads
+    # Per dtype: path and agreement for 2 options; rows 0, finite and zero gradients.
+    assert len(gpu_check.passed) == 2 * (2 * 2 + 3)
 
 
 @requires_backend("jax")
 def test_jax_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     gpu_check.jax_checks([(1, 2, 8, 8)], ("float32",), "portable")
     assert gpu_check.failures == []
-    assert len(gpu_check.passed) == 2 * 2  # path and agreement, plain and causal window
+    # Path and agreement, plain and causal window; rows 0, finite and zero gradients.
+    assert len(gpu_check.passed) == 2 * 2 + 3
 
 
 def test_a_wrong_result_fails(gpu_check: ModuleType) -> None:
@@ -73,3 +75,16 @@ def test_without_a_gpu_nothing_is_claimed() -> None:
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no GPU check ran" in done.stdout
+
+
+def test_verdict_fails_a_framework_without_gpu_where_another_has_one(
+    gpu_check: ModuleType,
+) -> None:
+    """JAX falls back to the CPU quietly (say, when torch loaded an older cuDNN first):
+    that must fail the run, not pass it with JAX unchecked."""
+    no = gpu_check.NO_DEVICE
+    assert gpu_check.verdict({"torch": 0, "jax": no}) == 1
+    assert gpu_check.verdict({"torch": 0, "jax": 0, "cupy": -11}) == 1  # a crash
+    assert gpu_check.verdict({"torch": 0, "jax": 0}) == 0
+    assert gpu_check.verdict({"torch": no, "jax": no}) == 2
+    assert gpu_check.verdict({}) == 2

@@ -1,6 +1,6 @@
 """CuPy: no attention kernel of its own. The fused path hands the arrays to torch SDPA
-through DLPack (zero-copy, same GPU) and the result back as CuPy; dropout draws from
-a ``cupy.random.Generator`` or ``RandomState``."""
+through DLPack (zero-copy, same GPU; a view with negative strides is copied) and the
+result back as CuPy; dropout draws from a ``cupy.random.Generator`` or ``RandomState``."""
 
 from __future__ import annotations
 
@@ -20,19 +20,17 @@ FUSED_WHY = "torch SDPA on the same GPU through DLPack (no copies) covers this c
 
 
 def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
-    """Keep mask drawn on the arrays' GPU."""
-    if rng is None:
-        rng = cupy.random.get_random_state()
-    if isinstance(rng, cupy.random.Generator):
-        uniform = rng.random
-    elif isinstance(rng, cupy.random.RandomState):
-        uniform = rng.random_sample
-    else:
+    """Keep mask drawn on the arrays' GPU (without ``rng``, from that GPU's global
+    random state: CuPy keeps one per device)."""
+    if rng is not None and not isinstance(rng, (cupy.random.Generator, cupy.random.RandomState)):
         raise _validate.rng_type_error(NAME, RNG, rng)
 
     def draw(shape: tuple[int, ...]) -> Any:
         with device:
-            return uniform(shape, dtype=cupy.float32) >= p
+            state = cupy.random.get_random_state() if rng is None else rng
+            if isinstance(state, cupy.random.Generator):
+                return state.random(shape, dtype=cupy.float32) >= p
+            return state.random_sample(shape, dtype=cupy.float32) >= p
 
     return draw
 
@@ -58,9 +56,9 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
 
     from portable_attention.backends import torch as torch_adapter
 
-    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-    tmask = None if mask is None else torch.from_dlpack(mask)
-    tbias = None if bias is None else torch.from_dlpack(bias)
+    tq, tk, tv = (_to_torch(x) for x in (q, k, v))
+    tmask = None if mask is None else _to_torch(mask)
+    tbias = None if bias is None else _to_torch(bias)
     tcall = dataclasses.replace(
         call,
         xp=array_api_compat.array_namespace(tq),
@@ -72,3 +70,13 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     with torch.cuda.device(tq.device):
         out = torch_adapter.run_fused(tcall, tq, tk, tv, tmask, tbias)
     return cupy.from_dlpack(out)
+
+
+def _to_torch(x: Any) -> Any:
+    """A torch view of a CuPy array through DLPack; a copy where its strides are negative
+    (a reversed view), which torch tensors cannot have."""
+    import torch
+
+    if any(stride < 0 for stride in x.strides):
+        x = cupy.ascontiguousarray(x)
+    return torch.from_dlpack(x)
