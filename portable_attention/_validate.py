@@ -745,9 +745,15 @@ def check_mha_call(
     num_heads: int,
     num_kv_heads: int,
     key_padding_mask: Any,
+    mask: Any,
+    bias: Any,
     weights: tuple[str, ...],
 ) -> Any:
-    """Every argument check of ``mha.multi_head_attention``; returns the namespace."""
+    """Every argument check of ``mha.multi_head_attention``; returns the namespace.
+
+    ``mask`` and ``bias`` are checked here as :func:`attend` would, against the scores
+    ``[B, Hq, Lq, Lk]``: ``mask`` is combined with ``key_padding_mask`` before ``attend``
+    sees it."""
     missing = [n for n in weights if n not in params]
     if missing:
         msg = f"`params` lacks {missing}; expected keys {list(weights)} (+ optional biases)"
@@ -763,7 +769,13 @@ def check_mha_call(
         raise ValueError(msg)
     named = {f"params[{n!r}]": p for n, p in params.items() if p is not None}
     xp, _, _ = check_arrays(
-        query=query, key=key, value=value, key_padding_mask=key_padding_mask, **named
+        query=query,
+        key=key,
+        value=value,
+        key_padding_mask=key_padding_mask,
+        mask=mask,
+        bias=bias,
+        **named,
     )
     if key_padding_mask is not None and not _is_kind(xp, key_padding_mask.dtype, "bool"):
         msg = (
@@ -817,7 +829,28 @@ def check_mha_call(
             f"got shape {tuple(key_padding_mask.shape)}"
         )
         raise ValueError(msg)
+    scores = (query.shape[0], num_heads, query.shape[1], key.shape[1])
+    _check_mask_bias(xp, mask, bias, query.dtype, scores)
     return xp
+
+
+def check_torch_attn_mask_shapes(
+    key_padding_mask: Any, attn_mask: Any, batch: int, heads: int, lq: int, lk: int
+) -> None:
+    """``torch_compat_forward``'s masks, in torch's names and shapes:
+    ``key_padding_mask [B, Lk]``, ``attn_mask [Lq, Lk]`` or ``[B * H, Lq, Lk]``."""
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, lk):
+        msg = (
+            f"`key_padding_mask` must be [B, Lk] = {(batch, lk)}, got shape "
+            f"{tuple(key_padding_mask.shape)}"
+        )
+        raise ValueError(msg)
+    if attn_mask is not None and tuple(attn_mask.shape) not in ((lq, lk), (batch * heads, lq, lk)):
+        msg = (
+            f"`attn_mask` must be [Lq, Lk] = {(lq, lk)} or [B * num_heads, Lq, Lk] = "
+            f"{(batch * heads, lq, lk)}, got shape {tuple(attn_mask.shape)}"
+        )
+        raise ValueError(msg)
 
 
 def check_bool_masks(named: dict[str, Any]) -> None:

@@ -109,7 +109,7 @@ def multi_head_attention(
     value = key if value is None else value
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     xp = _validate.check_mha_call(
-        params, query, key, value, num_heads, num_kv_heads, key_padding_mask, WEIGHTS
+        params, query, key, value, num_heads, num_kv_heads, key_padding_mask, mask, bias, WEIGHTS
     )
 
     q = _split_heads(xp, _project(xp, query, params, "w_q", "b_q"), num_heads)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -566,10 +567,15 @@ def test_torch_compat_refuses_integer_masks(which: str) -> None:
 @requires_backend("torch")
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("training", [False, True])
-def test_from_torch_drop_in_inside_transformer_layers(batch_first: bool, training: bool) -> None:
+@pytest.mark.parametrize("nested", [False, True])
+def test_from_torch_drop_in_inside_transformer_layers(
+    batch_first: bool, training: bool, nested: bool
+) -> None:
     """``from_torch(m, torch_compat=True)`` replaces ``self_attn`` in torch's encoder layer
-    and stack: eval mode with ``batch_first=True`` reads attributes to pick torch's fused
-    path (an AttributeError before); outputs match torch's, with a padding mask too."""
+    and stack, also after the stack was built: in eval mode the layer (``batch_first=True``)
+    and the stack (``enable_nested_tensor``, the default, with a padding mask) read
+    attributes to pick torch's fused and nested-tensor paths (AttributeError before);
+    outputs match torch's, with and without autograd recording."""
     import torch
     from portable_attention.backends.torch_mha import MultiHeadAttention
 
@@ -577,17 +583,20 @@ def test_from_torch_drop_in_inside_transformer_layers(batch_first: bool, trainin
     layer = torch.nn.TransformerEncoderLayer(
         16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first
     )
-    stack = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).train(training)
+    stack = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).train(training)
     x = torch.randn(2, 5, 16) if batch_first else torch.randn(5, 2, 16)
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1, -2:] = True  # torch polarity: True = padding
     with torch.no_grad():
         want = stack(x, src_key_padding_mask=pad)
-        for sub in stack.layers:
-            sub.self_attn = MultiHeadAttention.from_torch(sub.self_attn, torch_compat=True)
+    for sub in stack.layers:
+        sub.self_attn = MultiHeadAttention.from_torch(sub.self_attn, torch_compat=True)
+    with torch.no_grad():
         got = stack(x, src_key_padding_mask=pad)
+    got_recorded = stack(x, src_key_padding_mask=pad)
     keep = ~pad if batch_first else ~pad.T  # torch's fast path zeroes padded rows' outputs
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_recorded.detach(), got)
 
 
 @requires_backend("torch", "jax")
@@ -672,3 +681,49 @@ def test_from_torch_takes_only_multihead_attention() -> None:
 
     with pytest.raises(TypeError, match=r"`m` must be a torch\.nn\.MultiheadAttention"):
         MultiHeadAttention.from_torch(torch.nn.Linear(8, 8))  # type: ignore[arg-type]
+
+
+def test_mask_is_checked_before_it_meets_key_padding_mask(backend: Backend) -> None:
+    """``mask`` and ``key_padding_mask`` are combined before ``attend``: a float mask or
+    a misshapen one must get ``attend``'s error, naming `mask` and the shape passed, not
+    the framework's error about ``&``."""
+    params = {n: backend.asarray(a) for n, a in mha.init_params(8, 2, seed=0).items()}
+    x = backend.asarray(np.zeros((2, 5, 8), dtype=np.float32))
+    kpm = backend.asarray(np.ones((2, 5), dtype=bool))
+    float_mask = backend.asarray(np.zeros((5, 5), dtype=np.float32))
+    with pytest.raises(TypeError, match=r"`mask` must be boolean.*`bias=`"):
+        mha.multi_head_attention(params, x, num_heads=2, mask=float_mask, key_padding_mask=kpm)
+    short = backend.asarray(np.ones((3, 5), dtype=bool))
+    with pytest.raises(ValueError, match=r"`mask` of shape \(3, 5\) does not broadcast"):
+        mha.multi_head_attention(params, x, num_heads=2, mask=short, key_padding_mask=kpm)
+    with pytest.raises(TypeError, match=r"`bias` must be an additive float"):
+        mha.multi_head_attention(params, x, num_heads=2, bias=kpm)
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize(
+    ("which", "shape", "dtype"),
+    [
+        ("attn_mask", (3, 5, 5), "bool"),  # 3-D must be [B * H, Lq, Lk] = [8, 5, 5]
+        ("attn_mask", (3, 5, 5), "float32"),
+        ("attn_mask", (4, 4), "bool"),
+        ("attn_mask", (2, 4, 5, 5), "bool"),  # torch takes no 4-D attn_mask
+        ("key_padding_mask", (2, 4), "float32"),
+        ("key_padding_mask", (2, 4), "bool"),
+    ],
+)
+def test_torch_compat_misshapen_masks_name_torchs_argument(
+    which: str, shape: tuple[int, ...], dtype: str
+) -> None:
+    """Wrong mask shapes in torch's signature: a ValueError naming torch's argument and
+    the shapes it takes, not a reshape error from inside (nor `mask` for `attn_mask`)."""
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    module = MultiHeadAttention(16, 4, batch_first=True, seed=0)  # B=2, H=4, L=5
+    x = torch.randn(2, 5, 16)
+    m = torch.zeros(shape, dtype=getattr(torch, dtype))
+    with pytest.raises(
+        ValueError, match=rf"`{which}` must be \[.*got shape {re.escape(str(shape))}"
+    ):
+        module.torch_compat_forward(x, x, x, **{which: m})

@@ -230,6 +230,9 @@ class MultiHeadAttention(nn.Module):
         for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
                 raise _validate.torch_mask_dtype_error(name, m.dtype)
+        _validate.check_torch_attn_mask_shapes(
+            key_padding_mask, attn_mask, b, self.num_heads, lq, lk
+        )
         if key_padding_mask is not None:
             if key_padding_mask.dtype == torch.bool:
                 kpm = ~key_padding_mask
@@ -359,6 +362,27 @@ class MultiHeadAttention(nn.Module):
         return m
 
 
+class _DeclinesTorchFastPaths:
+    """Stands for a torch projection weight or bias on :class:`TorchCompatMultiHeadAttention`
+    (``in_proj_weight``, ``out_proj.weight``, ``out_proj.bias``). torch's fast-path checks
+    decline when an argument overrides ``__torch_function__``
+    (``torch.overrides.has_torch_function``), as this does; it is no tensor, and any torch
+    operation on it raises ``TypeError``."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return "<not a torch projection: the weights are w_q, w_k, w_v, w_o>"
+
+
+class _NoOutProj:
+    """Stands for ``nn.MultiheadAttention.out_proj`` (see ``_DeclinesTorchFastPaths``)."""
+
+    weight = bias = _DeclinesTorchFastPaths()
+
+
 class TorchCompatMultiHeadAttention(MultiHeadAttention):
     """:class:`MultiHeadAttention` whose ``__call__`` takes ``nn.MultiheadAttention``'s
     arguments and conventions (:meth:`MultiHeadAttention.torch_compat_forward`): a drop-in
@@ -369,6 +393,11 @@ class TorchCompatMultiHeadAttention(MultiHeadAttention):
     #: ``batch_first=True``): None and False make them call :meth:`forward`.
     in_proj_bias = None
     _qkv_same_embed_dim = False
+    #: ``nn.TransformerEncoder`` (eval mode, a padding mask) reads these to choose its
+    #: nested-tensor path, which would hand this module NestedTensors (and raised
+    #: AttributeError here): the markers make its check decline that path.
+    in_proj_weight = _DeclinesTorchFastPaths()
+    out_proj = _NoOutProj()
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.torch_compat_forward(*args, **kwargs)
