@@ -360,6 +360,11 @@ _JAX_WINDOWS = [
     (9, 5, "upper_left", 1, None),  # the last queries keep no key: jax.nn would give mean(V)
     (7, 7, True, (10, 3), (10, 0)),  # causal caps the right side
     (1, 6, True, 2, None),  # one query, lower-right: the key band is a mask (Lq != Lk)
+    # Sides past Lq + Lk are capped: jax.nn gave wrong results from 2**31 - 1 (int32
+    # arithmetic) and raised OverflowError from 2**31.
+    (7, 7, False, (2**31 - 1, 1), (14, 1)),
+    (7, 7, True, 2**40, (14, 0)),
+    (7, 7, False, (0, 2**31), (0, 14)),
 ]
 
 

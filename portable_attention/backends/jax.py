@@ -126,7 +126,8 @@ def _local_window(call: _validate.Call, mask: Any, bias: Any) -> tuple[int, int]
     jax.nn's window, like its ``is_causal``, is upper-left aligned: ours agrees when
     ``Lq == Lk`` or ``causal="upper_left"``. With ``Lq <= Lk`` every query keeps its
     aligned key, so no row is empty (jax.nn would give it mean(V)); with no mask or bias
-    no other mask needs the repair. Unbounded sides become ``Lq + Lk``.
+    no other mask needs the repair. Unbounded sides, and sides of ``Lq + Lk`` or more
+    (jax.nn's window arithmetic overflowed from ``2**31 - 1``), become ``Lq + Lk``.
     """
     if call.window is None or mask is not None or bias is not None:
         return None
@@ -134,7 +135,8 @@ def _local_window(call: _validate.Call, mask: Any, bias: Any) -> tuple[int, int]
     if _core.band_keeps_all(call) or not (lq == lk or (call.align == "upper_left" and lq <= lk)):
         return None
     left, right = _core.window_sides(call)
-    return (lq + lk if left is None else left, lq + lk if right is None else right)
+    wide = lq + lk
+    return (wide if left is None else min(left, wide), wide if right is None else min(right, wide))
 
 
 def _to_btnh(x: Any, batch: int) -> Any:
