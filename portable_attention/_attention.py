@@ -76,7 +76,7 @@ def attend(
         position (alignment as ``causal``; lower-right unless "upper_left"). ``None``
         for a side leaves it unbounded. Combines with ``causal``.
     scale : float, optional
-        Score scale; default ``1 / sqrt(Dk)``.
+        Score scale, a finite number > 0; default ``1 / sqrt(Dk)``.
     softcap : float, optional
         Scores become ``softcap * tanh(scores / softcap)``.
     dropout : float

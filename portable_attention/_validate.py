@@ -428,7 +428,10 @@ def _check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tup
 
 
 def normalize_causal(causal: object) -> str | None:
-    """``False -> None``, ``True -> "lower_right"``, a known alignment string -> itself."""
+    """``False -> None``, ``True -> "lower_right"`` (NumPy's bools too), a known alignment
+    string -> itself."""
+    if _is_numpy_bool(causal):
+        causal = bool(causal)
     if causal is False:
         return None
     if causal is True:
@@ -574,12 +577,14 @@ def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
 
 def _flag(name: str, value: object) -> bool:
     """``return_weights`` / ``return_lse``: True or False (NumPy's bool too), nothing else."""
-    if isinstance(value, bool) or (
-        type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    ):
+    if isinstance(value, bool) or _is_numpy_bool(value):
         return bool(value)
     msg = f"`{name}` must be True or False, got {value!r} of type {_type_name(value)}."
     raise TypeError(msg)
+
+
+def _is_numpy_bool(value: object) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
 
 
 def check_implementation(implementation: object) -> str:
