@@ -5,19 +5,24 @@ installed) PyTorch and JAX with the same weights.
 
 The layer is written once against the array API (``array_api_compat.array_namespace``):
 multi-head self-attention (:func:`portable_attention.mha.multi_head_attention`), residual
-connections, layer norm (pre-norm or post-norm) and a ReLU feed-forward block. ``main()``
-checks that the output has the input's shape and differs from it, that the frameworks agree,
-and that torch's and jax's backward passes give finite gradients for every parameter.
+connections, layer norm (pre-norm or post-norm), a ReLU feed-forward block and, in
+training, dropout where ``torch.nn.TransformerEncoderLayer`` has it (the attention weights,
+the feed-forward block's hidden units, each branch before its residual sum) drawn from
+each framework's own RNG (:func:`portable_attention.mha.dropout`). ``main()`` checks that
+the output has the input's shape and differs from it, that the frameworks agree, that
+torch's and jax's backward passes give finite gradients for every parameter, and that
+training mode drops units, reproducibly from a seed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import array_api_compat
 import numpy as np
 
-from portable_attention.mha import init_params, multi_head_attention
+from portable_attention.mha import dropout, init_params, multi_head_attention
 
 
 def init_layer(embed_dim: int, num_heads: int, ffn_dim: int, seed: int = 0) -> dict[str, Any]:
@@ -54,22 +59,36 @@ def encoder_layer(
     num_heads: int,
     key_padding_mask: Any = None,
     norm_first: bool = False,
+    p: float = 0.0,
+    rngs: tuple[Any, Any, Any, Any] | None = None,
 ) -> Any:
     """One encoder layer on ``x [B, L, E]`` of any array-API framework.
 
     ``norm_first=True``: pre-norm (``x + attn(ln(x))``, ``x + ff(ln(x))``); else post-norm
     (``ln(x + attn(x))``, ``ln(x + ff(x))``). ``key_padding_mask [B, L]``: True = real token.
+    ``p > 0`` (training): dropout on the attention weights, the feed-forward hidden units and
+    each branch's output, with ``rngs``, one RNG per site in that order (the same
+    generator four times for NumPy or torch; four keys from ``jax.random.split`` for JAX).
     """
     xp = array_api_compat.array_namespace(x)
     attn = {n.removeprefix("attn."): a for n, a in params.items() if n.startswith("attn.")}
+    r_weights, r_hidden, r_attn_out, r_ff_out = rngs if rngs is not None else (None,) * 4
 
     def sa(h: Any) -> Any:
-        return multi_head_attention(attn, h, num_heads=num_heads, key_padding_mask=key_padding_mask)
+        h = multi_head_attention(
+            attn,
+            h,
+            num_heads=num_heads,
+            key_padding_mask=key_padding_mask,
+            dropout=p,
+            rng=r_weights,
+        )
+        return dropout(h, p, rng=r_attn_out)
 
     def ff(h: Any) -> Any:
         h = h @ params["ff.w1"] + params["ff.b1"]
-        h = xp.where(h > 0, h, xp.zeros_like(h))
-        return h @ params["ff.w2"] + params["ff.b2"]
+        h = dropout(xp.where(h > 0, h, xp.zeros_like(h)), p, rng=r_hidden)
+        return dropout(h @ params["ff.w2"] + params["ff.b2"], p, rng=r_ff_out)
 
     def ln1(h: Any) -> Any:
         return layer_norm(xp, h, params["ln1.g"], params["ln1.b"])
@@ -105,7 +124,40 @@ def main() -> dict[str, Any]:
 
     _run_torch(params, x, kpm, num_heads, results)
     _run_jax(params, x, kpm, num_heads, results)
+
+    def numpy_rngs(seed: int) -> tuple[Any, ...]:
+        return (np.random.default_rng(seed),) * 4
+
+    _check_training("numpy", params, x, kpm, num_heads, numpy_rngs, np.asarray, results)
     return results
+
+
+def _check_training(
+    name: str,
+    params: dict[str, Any],
+    x: Any,
+    kpm: Any,
+    num_heads: int,
+    make_rngs: Callable[[int], tuple[Any, ...]],
+    to_numpy: Callable[[Any], Any],
+    results: dict[str, Any],
+) -> None:
+    """Training mode (``p=0.1``): the same seed gives the same output, another seed
+    another, and both differ from evaluation mode (``p=0``)."""
+
+    def run(seed: int) -> Any:
+        out = encoder_layer(
+            params, x, num_heads=num_heads, key_padding_mask=kpm, p=0.1, rngs=make_rngs(seed)
+        )
+        return to_numpy(out)
+
+    first, again, other = run(1), run(1), run(2)
+    evaluation = to_numpy(encoder_layer(params, x, num_heads=num_heads, key_padding_mask=kpm))
+    np.testing.assert_array_equal(first, again)
+    assert np.all(np.isfinite(first))
+    assert not np.allclose(first, other) and not np.allclose(first, evaluation)
+    results[f"{name}/training"] = first
+    print(f"{name:<6} training (p=0.1): reproducible from a seed, differs from evaluation")
 
 
 def _run_torch(
@@ -138,6 +190,14 @@ def _run_torch(
         }
         print(f"torch  norm_first={norm_first}: matches numpy, {len(grads)} finite gradients")
 
+    def torch_rngs(seed: int) -> tuple[Any, ...]:
+        return (torch.Generator().manual_seed(seed),) * 4
+
+    def detached(t: Any) -> Any:
+        return t.detach().numpy()
+
+    _check_training("torch", tparams, tx, tkpm, num_heads, torch_rngs, detached, results)
+
 
 def _run_jax(
     params: dict[str, Any], x: Any, kpm: Any, num_heads: int, results: dict[str, Any]
@@ -169,6 +229,11 @@ def _run_jax(
         assert bool(jnp.isfinite(gx).all())
         results[f"jax/norm_first={norm_first}"] = np.asarray(out_j)
         print(f"jax    norm_first={norm_first}: matches numpy, {len(grads)} finite gradients")
+
+    def jax_rngs(seed: int) -> tuple[Any, ...]:
+        return tuple(jax.random.split(jax.random.key(seed), 4))
+
+    _check_training("jax", jparams, jx, jkpm, num_heads, jax_rngs, np.asarray, results)
 
 
 if __name__ == "__main__":

@@ -550,11 +550,12 @@ def _check_options(
     return scale_f, softcap_f, check_dropout(dropout)
 
 
-def check_dropout(dropout: object) -> float:
-    """A dropout probability in ``[0, 1)`` (of ``attend`` and the multi-head modules)."""
-    dropout_f = _real_number("dropout", dropout)
+def check_dropout(dropout: object, name: str = "dropout") -> float:
+    """A dropout probability in ``[0, 1)`` (of ``attend``, the multi-head modules and
+    ``mha.dropout``, whose argument is ``p``)."""
+    dropout_f = _real_number(name, dropout)
     if not 0.0 <= dropout_f < 1.0:
-        msg = f"`dropout` must be in [0, 1), got {dropout!r}."
+        msg = f"`{name}` must be in [0, 1), got {dropout!r}."
         raise ValueError(msg)
     return dropout_f
 
@@ -1399,6 +1400,15 @@ def check_mha_sizes(
     if num_heads % num_kv_heads:
         msg = f"`num_kv_heads`={num_kv_heads} must be a positive divisor of `num_heads`={num_heads}"
         raise ValueError(msg)
+
+
+def check_dropout_input(x: Any) -> tuple[Any, str, Any]:
+    """``mha.dropout``'s ``x``: one floating array; returns ``(xp, backend, device)``."""
+    xp, backend, device = check_arrays(x=x)
+    if not _is_kind(xp, x.dtype, "real floating"):
+        msg = f"`x` must have a real floating dtype, got {x.dtype}."
+        raise TypeError(msg)
+    return xp, backend, device
 
 
 def check_param_dtype(xp: Any, dtype: Any) -> None:

@@ -29,8 +29,9 @@ import numpy as np
 from portable_attention import _validate
 from portable_attention._attention import attend
 from portable_attention._convert import to_numpy
+from portable_attention.backends import adapter
 
-__all__ = ["MultiHeadAttention", "init_params", "multi_head_attention"]
+__all__ = ["MultiHeadAttention", "dropout", "init_params", "multi_head_attention"]
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
@@ -305,3 +306,24 @@ def host_array(x: Any) -> np.ndarray:
     ml_dtypes, comes as float32 (exactly)."""
     host = to_numpy(x)
     return host.astype(np.float32) if host.dtype.name == "bfloat16" else host
+
+
+def dropout(x: Any, p: float, *, rng: Any = None) -> Any:
+    """Inverted dropout on any framework's floating array, with that framework's RNG.
+
+    Each entry of ``x`` is kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``,
+    or set to 0; the keep-mask is drawn as :func:`attend` draws its own, from ``rng``: a
+    ``numpy.random.Generator`` (NumPy and other array-API libraries), ``torch.Generator``,
+    JAX PRNG key (required on JAX; split it for each call) or CuPy generator, ``None`` for
+    the framework's global RNG where it has one. ``p == 0`` returns ``x`` itself (a given
+    ``rng`` is still checked). For the residual and feed-forward dropouts of a Transformer
+    layer: see ``examples/encoder_layer.py``.
+    """
+    p = _validate.check_dropout(p, name="p")
+    xp, backend, device = _validate.check_dropout_input(x)
+    if p == 0 and rng is None:
+        return x
+    keep = adapter(backend).keep_mask(rng, p, xp, device)  # a wrong rng raises here
+    if p == 0:
+        return x
+    return xp.where(keep(tuple(x.shape)), x * (1.0 / (1.0 - p)), xp.zeros_like(x))

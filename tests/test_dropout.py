@@ -181,3 +181,60 @@ def test_jax_dropout_without_rng_is_value_error() -> None:
     q, k, v = small(BY_NAME["jax"], "float32")
     with pytest.raises(ValueError, match=r"`rng\b"):
         attend(q, k, v, dropout=0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# mha.dropout: the same draws for a Transformer layer's other dropouts
+
+
+def test_mha_dropout_keeps_and_scales(backend: Backend, hp_dtype: str) -> None:
+    """Each entry is 0 or ``x / (1 - p)``, about ``p`` of them 0 (a binomial count over
+    4000 entries: 5.4 standard deviations of slack), the same for the same seed, other
+    draws for another; dtype, shape and framework kept."""
+    from portable_attention import mha
+
+    xn = rng_for("mha-dropout").uniform(1.0, 2.0, (40, 100))
+    x = backend.asarray(xn, hp_dtype)
+    a = mha.dropout(x, P, rng=backend.make_rng(5))
+    assert_like(a, x, shape=(40, 100), dtype=backend.dtype(hp_dtype))
+    got, want = backend.to_numpy(a).astype(np.float64), backend.to_numpy(x).astype(np.float64)
+    kept = got != 0
+    np.testing.assert_allclose(
+        got[kept], want[kept] / (1 - P), rtol=1e-2 if hp_dtype != "float64" else 1e-12
+    )
+    assert abs((~kept).mean() - P) < 5.4 * np.sqrt(P * (1 - P) / kept.size)
+    again = backend.to_numpy(mha.dropout(x, P, rng=backend.make_rng(5)))
+    other = backend.to_numpy(mha.dropout(x, P, rng=backend.make_rng(6)))
+    np.testing.assert_array_equal(backend.to_numpy(a), again)
+    assert not np.array_equal(again, other)
+    assert mha.dropout(x, 0.0) is x and mha.dropout(x, 0, rng=backend.make_rng(1)) is x
+
+
+def test_mha_dropout_errors(backend: Backend) -> None:
+    from portable_attention import mha
+
+    x = backend.asarray(np.ones((2, 3)), "float32")
+    with pytest.raises(TypeError, match="`rng`"):
+        mha.dropout(x, P, rng=backend.wrong_rng())
+    with pytest.raises(ValueError, match=r"`p` must be in \[0, 1\)"):
+        mha.dropout(x, 1.0, rng=backend.make_rng(0))
+    with pytest.raises(TypeError, match="`x` must have a real floating dtype"):
+        mha.dropout(backend.asarray(np.ones(3, dtype=np.int32)), P, rng=backend.make_rng(0))
+
+
+@requires_backend("jax")
+def test_mha_dropout_under_jit_and_grad() -> None:
+    """On JAX: a key is required, and the draw works under jit with the gradient of a
+    kept entry ``1 / (1 - p)``, of a dropped one 0."""
+    import jax
+    import jax.numpy as jnp
+    from portable_attention import mha
+
+    x = jnp.ones((8, 16))
+    with pytest.raises(ValueError, match="`rng=`"):
+        mha.dropout(x, P)
+    key = jax.random.key(0)
+    out = jax.jit(lambda a, k: mha.dropout(a, P, rng=k))(x, key)
+    grad = jax.grad(lambda a: jnp.sum(mha.dropout(a, P, rng=key)))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(out))  # x = 1: out is the grad
+    assert set(np.unique(np.asarray(out)).round(5)) == {0.0, round(1 / (1 - P), 5)}

@@ -428,8 +428,10 @@ def test_example_runs() -> None:
     spec.loader.exec_module(module)
     results = module.main()
     assert "numpy/norm_first=True" in results and "numpy/norm_first=False" in results
-    if "torch" in BY_NAME:
-        assert "torch/norm_first=True" in results
+    assert "numpy/training" in results  # the seed's dropouts, from each framework's RNG
+    for name in ("torch", "jax"):
+        if name in BY_NAME:
+            assert f"{name}/norm_first=True" in results and f"{name}/training" in results
 
 
 @requires_backend("torch")
