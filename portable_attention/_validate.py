@@ -534,7 +534,8 @@ def _check_options(
         scale_f = default_scale(dk)
     else:
         scale_f = _real_number("scale", scale)
-        if not (scale_f > 0 and math.isfinite(scale_f)):
+        if not 0 < scale_f < math.inf:  # comparisons only: torch.compile traces them on
+            # symbolic floats (dynamic=True), math.isfinite it cannot
             msg = (
                 f"`scale` must be a finite number > 0 (or None for 1/sqrt(Dk)), got {scale!r}; "
                 "0 would weigh every key alike and a negative scale inverts the attention "
@@ -544,7 +545,7 @@ def _check_options(
     softcap_f = None
     if softcap is not None:
         softcap_f = _real_number("softcap", softcap)
-        if not (softcap_f > 0 and math.isfinite(softcap_f)):
+        if not 0 < softcap_f < math.inf:  # NaN fails both; as scale's, traceable
             msg = f"`softcap` must be a finite number > 0 (or None), got {softcap!r}."
             raise ValueError(msg)
     return scale_f, softcap_f, check_dropout(dropout)

@@ -238,3 +238,20 @@ def test_mha_dropout_under_jit_and_grad() -> None:
     grad = jax.grad(lambda a: jnp.sum(mha.dropout(a, P, rng=key)))(x)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(out))  # x = 1: out is the grad
     assert set(np.unique(np.asarray(out)).round(5)) == {0.0, round(1 / (1 - P), 5)}
+
+
+def test_chunked_blocks_draw_their_own_keep_masks(backend: Backend) -> None:
+    """The chunked path draws a keep mask per block: the blocks' patterns must differ
+    (JAX reused its key for every block: all 16 blocks alike). With q = 0 every weight is
+    1/Lk and V = I, so the output is the keep mask itself, scaled."""
+    lk = 8
+    q = backend.asarray(np.zeros((1, 1, lk, 4)), "float32")
+    k = backend.asarray(rng_for("chunk-keep").standard_normal((1, 1, lk, 4)), "float32")
+    v = backend.asarray(np.eye(lk)[None, None], "float32")
+    out = attend(q, k, v, dropout=0.5, rng=backend.make_rng(0), chunk_size=2)
+    keep = backend.to_numpy(out)[0, 0] != 0
+    np.testing.assert_allclose(backend.to_numpy(out)[0, 0][keep], 1 / lk / 0.5, rtol=1e-6)
+    blocks = {
+        keep[i : i + 2, j : j + 2].tobytes() for i in range(0, lk, 2) for j in range(0, lk, 2)
+    }
+    assert len(blocks) > 4, f"{len(blocks)} distinct keep patterns among 16 blocks"

@@ -297,14 +297,33 @@ from portable_attention import attend
 q, k, v = (torch.randn(2, h, n, 8) for h, n in ((4, 5), (2, 7), (2, 7)))
 compiled = torch.compile(lambda a, b, c: attend(a, b, c, causal=True), fullgraph=True, dynamic=True)
 torch.testing.assert_close(compiled(q, k, v), attend(q, k, v, causal=True))
+
+
+class Options(torch.nn.Module):  # float options read from a module: symbolic under dynamic
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+    def forward(self, a, b, c):
+        return attend(a, b, c, **self.options)
+
+
+for options in ({"scale": 0.3}, {"softcap": 2.0}, {"scale": 0.5, "softcap": 1.5}):
+    module = torch.compile(Options(**options), fullgraph=True, dynamic=True)
+    torch.testing.assert_close(module(q, k, v), attend(q, k, v, **options))
+# Without dynamic=True, a float that changes between calls turns symbolic on the second.
+varying = torch.compile(lambda a, b, c, s: attend(a, b, c, scale=s), fullgraph=True)
+for s in (0.25, 0.5, 0.75):
+    torch.testing.assert_close(varying(q, k, v, s), attend(q, k, v, scale=s))
 print("ok")
 """
 
 
 @requires_backend("torch")
 def test_torch_compile_fullgraph_dynamic() -> None:
-    """``dynamic=True`` makes the float options symbolic (``dropout=0.0`` by default):
-    validation must take them without tracing a ``getattr`` on them. In a fresh
+    """``dynamic=True`` makes the float options symbolic (``dropout=0.0`` by default, and
+    ``scale``/``softcap`` read from a module or changing between calls): validation must
+    take them without tracing a ``getattr`` or ``math.isfinite`` on them. In a fresh
     interpreter: after other compiled calls in this process the trace did not fail."""
     assert run_python(_COMPILE_DYNAMIC).strip() == "ok"
 
@@ -667,3 +686,32 @@ def test_torch_decode_step_with_causal_runs_sdpa_without_a_mask() -> None:
     assert _core.kernel_mask(call, None, None) == (None, False)
     ref_out, _, _ = oracle.attention(*(backend.to_numpy(x) for x in (q, k, v)), causal=True)
     assert_close(backend.to_numpy(attend(q, k, v, causal=True)), ref_out, "float32")
+
+
+@requires_backend("jax")
+def test_jax_native_compiles_once_when_eager() -> None:
+    """Eager calls on ``native:jax`` (CPU, >= 512 queries) reuse one compiled program:
+    the ``lax.map`` over a new closure compiled again on every call (540 ms against 7)."""
+    import jax
+    from jax import monitoring
+
+    backend = BY_NAME["jax"]
+    q, k, v = _qkv(backend, (1, 2, 512, 16), (1, 2, 512, 16))
+    assert plan(q, k, v).path == "native:jax"
+    compiles: list[str] = []
+    counting = [False]
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if counting[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        first = attend(q, k, v, causal=True)
+        counting[0] = True
+        for _ in range(3):
+            again = jax.block_until_ready(attend(q, k, v, causal=True))
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    np.testing.assert_array_equal(backend.to_numpy(again), backend.to_numpy(first))
