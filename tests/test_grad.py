@@ -201,6 +201,25 @@ def test_torch_gradcheck(case: GradCase, mode: str) -> None:
 
 
 @requires_backend("torch")
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: c.id)
+def test_torch_portable_second_derivatives(case: GradCase) -> None:
+    """``implementation="portable"`` differentiates twice (SDPA's CPU kernel does not:
+    the docs send double backward there), rows with no key included."""
+    import torch
+
+    d = case.make()
+    inputs = [torch.tensor(d[n], dtype=torch.float64, requires_grad=True) for n in "qkv"]
+    mask = None if d["mask"] is None else torch.tensor(d["mask"])
+    bias = None if d["bias"] is None else torch.tensor(d["bias"], dtype=torch.float64)
+    kwargs = attend_kwargs(case, "out")
+
+    def f(q: Any, k: Any, v: Any) -> Any:
+        return attend(q, k, v, mask=mask, bias=bias, implementation="portable", **kwargs)
+
+    assert torch.autograd.gradgradcheck(f, tuple(inputs), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@requires_backend("torch")
 def test_torch_weights_grad_finite_with_empty_rows() -> None:
     import torch
 
