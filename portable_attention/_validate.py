@@ -842,20 +842,27 @@ def check_mha_call(
 
 
 def check_torch_attn_mask_shapes(
-    key_padding_mask: Any, attn_mask: Any, batch: int, heads: int, lq: int, lk: int
+    key_padding_mask: Any, attn_mask: Any, batch: int | None, heads: int, lq: int, lk: int
 ) -> None:
-    """``torch_compat_forward``'s masks, in torch's names and shapes:
-    ``key_padding_mask [B, Lk]``, ``attn_mask [Lq, Lk]`` or ``[B * H, Lq, Lk]``."""
-    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, lk):
+    """``torch_compat_forward``'s masks, in torch's names and shapes: ``key_padding_mask
+    [B, Lk]``, ``attn_mask [Lq, Lk]`` or ``[B * H, Lq, Lk]``; unbatched inputs
+    (``batch=None``) take ``[Lk]`` and ``[Lq, Lk]`` or ``[H, Lq, Lk]``."""
+    kpm_shape, kpm_text = ((lk,), "[Lk]") if batch is None else ((batch, lk), "[B, Lk]")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != kpm_shape:
         msg = (
-            f"`key_padding_mask` must be [B, Lk] = {(batch, lk)}, got shape "
+            f"`key_padding_mask` must be {kpm_text} = {kpm_shape}, got shape "
             f"{tuple(key_padding_mask.shape)}"
         )
         raise ValueError(msg)
-    if attn_mask is not None and tuple(attn_mask.shape) not in ((lq, lk), (batch * heads, lq, lk)):
+    stacked, stacked_text = (
+        ((heads, lq, lk), "[num_heads, Lq, Lk]")
+        if batch is None
+        else ((batch * heads, lq, lk), "[B * num_heads, Lq, Lk]")
+    )
+    if attn_mask is not None and tuple(attn_mask.shape) not in ((lq, lk), stacked):
         msg = (
-            f"`attn_mask` must be [Lq, Lk] = {(lq, lk)} or [B * num_heads, Lq, Lk] = "
-            f"{(batch * heads, lq, lk)}, got shape {tuple(attn_mask.shape)}"
+            f"`attn_mask` must be [Lq, Lk] = {(lq, lk)} or {stacked_text} = {stacked}, "
+            f"got shape {tuple(attn_mask.shape)}"
         )
         raise ValueError(msg)
 

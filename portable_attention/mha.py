@@ -314,10 +314,10 @@ def dropout(x: Any, p: float, *, rng: Any = None) -> Any:
     Each entry of ``x`` is kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``,
     or set to 0; the keep-mask is drawn as :func:`attend` draws its own, from ``rng``: a
     ``numpy.random.Generator`` (NumPy and other array-API libraries), ``torch.Generator``,
-    JAX PRNG key (required on JAX; split it for each call) or CuPy generator, ``None`` for
-    the framework's global RNG where it has one. ``p == 0`` returns ``x`` itself (a given
-    ``rng`` is still checked). For the residual and feed-forward dropouts of a Transformer
-    layer: see ``examples/encoder_layer.py``.
+    JAX PRNG key (required on JAX when ``p > 0``; split it for each call) or CuPy
+    generator, ``None`` for the framework's global RNG where it has one. ``p == 0``
+    returns ``x`` itself (a given ``rng`` is still checked). For the residual and
+    feed-forward dropouts of a Transformer layer: see ``examples/encoder_layer.py``.
     """
     p = _validate.check_dropout(p, name="p")
     xp, backend, device = _validate.check_dropout_input(x)

@@ -729,3 +729,29 @@ def test_torch_compat_misshapen_masks_name_torchs_argument(
         ValueError, match=rf"`{which}` must be \[.*got shape {re.escape(str(shape))}"
     ):
         module.torch_compat_forward(x, x, x, **{which: m})
+
+
+@requires_backend("torch")
+def test_torch_compat_mask_shapes_as_passed_unbatched_and_sequence_first() -> None:
+    """The shapes are checked as the caller passed them, in torch's terms: ``[Lk]`` for an
+    unbatched query (not the ``[1, Lk]`` made inside), ``[B, Lk]`` with ``batch_first=False``
+    (``[L, B, E]`` inputs), ``[num_heads, Lq, Lk]`` as the unbatched stacked attn_mask."""
+    import torch
+    from portable_attention.backends.torch_mha import MultiHeadAttention
+
+    module = MultiHeadAttention(16, 4, batch_first=False, seed=0)
+    x = torch.randn(5, 16)  # unbatched: [L, E]
+    with pytest.raises(
+        ValueError, match=r"`key_padding_mask` must be \[Lk\] = \(5,\), got shape \(1, 5\)"
+    ):
+        module.torch_compat_forward(x, x, x, key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))
+    stacked = torch.zeros(4, 5, 5, dtype=torch.bool)
+    stacked[:, :, -1] = True  # torch polarity: the last key is hidden
+    out, _ = module.torch_compat_forward(x, x, x, attn_mask=stacked)
+    want, _ = module.torch_compat_forward(x[:, :], x[:4], x[:4])
+    torch.testing.assert_close(out, want)
+    seq_first = torch.randn(5, 2, 16)  # [L, B, E]
+    with pytest.raises(ValueError, match=r"`key_padding_mask` must be \[B, Lk\] = \(2, 5\)"):
+        module.torch_compat_forward(
+            seq_first, seq_first, seq_first, key_padding_mask=torch.zeros(5, 2, dtype=torch.bool)
+        )

@@ -44,6 +44,10 @@ def _is_key(rng: Any) -> bool:
     return rng.dtype == jnp.uint32 and rng.shape == (2,)  # raw PRNGKey
 
 
+#: Folded into the caller's key for the keys of the chunked path's blocks after the first.
+_BLOCK_STREAM = 0x7A11_B10C
+
+
 def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     """Keep mask from ``jax.random.bernoulli``; jit-, vmap- and grad-safe."""
     if rng is None:
@@ -54,10 +58,14 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     draws = 0
 
     def draw(shape: tuple[int, ...]) -> Any:
-        # The chunked path draws once per block: each draw after the first folds in its
-        # number, or every block would get the same keep pattern.
+        # The chunked path draws once per block: each draw after the first takes its own
+        # key, or every block would get the same keep pattern. The keys descend from one
+        # folded with _BLOCK_STREAM, not from rng's fold_in(rng, 1), (rng, 2), ... that a
+        # caller may use for other draws.
         nonlocal draws
-        key = rng if draws == 0 else jax.random.fold_in(rng, draws)
+        key = (
+            rng if draws == 0 else jax.random.fold_in(jax.random.fold_in(rng, _BLOCK_STREAM), draws)
+        )
         draws += 1
         return jax.random.bernoulli(key, 1.0 - p, shape)
 

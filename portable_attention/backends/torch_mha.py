@@ -217,6 +217,18 @@ class MultiHeadAttention(nn.Module):
         """
         unbatched = query.dim() == 2
         batch_first = self.batch_first or unbatched
+        seq_axis = 0 if unbatched or not batch_first else 1
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
+                raise _validate.torch_mask_dtype_error(name, m.dtype)
+        _validate.check_torch_attn_mask_shapes(  # the shapes as passed, in torch's terms
+            key_padding_mask,
+            attn_mask,
+            None if unbatched else query.shape[1 - seq_axis],
+            self.num_heads,
+            query.shape[seq_axis],
+            key.shape[seq_axis],
+        )
         if unbatched:  # [L, E] -> [1, L, E]
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
@@ -227,12 +239,6 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None = None
         bias: torch.Tensor | None = None
         kpm: torch.Tensor | None = None
-        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-            if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
-                raise _validate.torch_mask_dtype_error(name, m.dtype)
-        _validate.check_torch_attn_mask_shapes(
-            key_padding_mask, attn_mask, b, self.num_heads, lq, lk
-        )
         if key_padding_mask is not None:
             if key_padding_mask.dtype == torch.bool:
                 kpm = ~key_padding_mask
