@@ -258,7 +258,7 @@ def dense(
     e, denom, lse = _softmax_parts(xp, s, guarded=guarded)
     p = e
     if keep_mask is not None:
-        p = xp.where(keep_mask(tuple(s.shape)), p / (1.0 - call.dropout), 0.0)
+        p = inverted_dropout(xp, p, keep_mask, call.dropout)
     out, lse = _finish(call, xp.matmul(p, ops.v) / denom, lse)
     weights = None
     if call.return_weights:
@@ -266,6 +266,12 @@ def dense(
             xp.reshape(e / denom, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype, copy=False
         )
     return out, weights, lse
+
+
+def inverted_dropout(xp: Any, x: Any, keep_mask: KeepMask, p: float) -> Any:
+    """``x`` where a keep-mask drawn for its shape is True, scaled by ``1 / (1 - p)``;
+    0 elsewhere."""
+    return xp.where(keep_mask(tuple(x.shape)), x / (1.0 - p), 0.0)
 
 
 def rows_may_be_empty(call: Call) -> bool:
@@ -349,7 +355,7 @@ def chunked(
             rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
             total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
             if keep_mask is not None:
-                e = xp.where(keep_mask(tuple(s.shape)), e / (1.0 - call.dropout), 0.0)
+                e = inverted_dropout(xp, e, keep_mask, call.dropout)
             acc = rescale * acc + xp.matmul(e, ops.v[..., cols[0] : cols[1], :])
             m = m_new
         has_key = total != 0  # NaN rows keep NaN, as in dense

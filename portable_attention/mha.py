@@ -26,7 +26,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from portable_attention import _validate
+from portable_attention import _core, _validate
 from portable_attention._attention import attend
 from portable_attention._convert import to_numpy
 from portable_attention.backends import adapter
@@ -326,4 +326,4 @@ def dropout(x: Any, p: float, *, rng: Any = None) -> Any:
     keep = adapter(backend).keep_mask(rng, p, xp, device)  # a wrong rng raises here
     if p == 0:
         return x
-    return xp.where(keep(tuple(x.shape)), x * (1.0 / (1.0 - p)), xp.zeros_like(x))
+    return _core.inverted_dropout(xp, x, keep, p)
