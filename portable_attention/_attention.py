@@ -5,29 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from portable_attention import _core
+from portable_attention import _core, _memo
 from portable_attention._plan import CHUNKED, Plan, choose
-from portable_attention._validate import (
-    Call,
-    call_key,
-    check_implementation,
-    memoisable,
-    validate_call,
-)
+from portable_attention._spec import Call, check_implementation, validate_call
 from portable_attention.backends import adapter
+from portable_attention.backends._base import Prepared
 
 #: Runs a validated call: ``run(q, k, v, mask, bias, rng) -> attend's result``.
 Runner = Callable[[Any, Any, Any, Any, Any, Any], Any]
-#: A fused kernel with every option bound: ``kernel(q, k, v) -> out``.
-Kernel = Callable[[Any, Any, Any], Any]
-
-#: Validated calls and their runners by the type of ``q``, then by :func:`call_key`: a
-#: repeated call (same types, shapes, dtypes, devices and options) skips validation and
-#: planning. Never data. One dict per array type: ``torch.compile`` traces the lookup and
-#: cannot compare other frameworks' keys (NumPy dtypes) with its own.
-_calls: dict[type, dict[Any, tuple[Call, Runner | None, Kernel | None]]] = {}
-#: Entries per array type; a full memo is cleared.
-_CALLS_MAX = 4096
 
 
 def attend(
@@ -125,12 +110,10 @@ def attend(
         return_lse,
         implementation,
     )
-    key = call_key(q, k, v, mask, bias, options)
-    memo = _calls.get(type(q)) if key is not None else None
-    try:
-        known = memo.get(key) if memo is not None else None
-    except Exception:  # an unhashable option (a list as window, a traced scale)
-        key = known = None
+    # A repeated call (same types, shapes, dtypes, devices and options; never data)
+    # skips validation and planning: see portable_attention._memo.
+    key = _memo.key(q, k, v, mask, bias, options)
+    known = _memo.get(type(q), key)
     if known is None:
         call = validate_call(
             q,
@@ -150,17 +133,17 @@ def attend(
         )
         path = choose(call, check_implementation(implementation)).path
         known = (call, *_runner(call, path))
-        if key is not None and memoisable(key):
-            memo = _calls.setdefault(type(q), {})
-            if len(memo) >= _CALLS_MAX:
-                memo.clear()
-            memo[key] = known
+        if key is None:  # the first call of these array types: learn their keys
+            _memo.register(call, q, k, v, mask, bias)
+            key = _memo.key(q, k, v, mask, bias, options)
+        if key is not None:
+            _memo.put(type(q), key, known)
     if known[2] is not None:
         return known[2](q, k, v)
-    return known[1](q, k, v, mask, bias, rng)  # type: ignore[misc]
+    return known[1](q, k, v, mask, bias, rng)
 
 
-def _runner(call: Call, path: str) -> tuple[Runner | None, Kernel | None]:
+def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
     """The function that runs ``call`` on ``path``, built once per memo entry: a fused
     kernel of ``(q, k, v)`` alone where the adapter can bind everything else (one Python
     call less), else a runner of all the arguments (None in the other slot).
@@ -170,31 +153,36 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Kernel | None]:
     """
     backend = adapter(call.backend)
     if path.startswith("fused"):
-        prepare = getattr(backend, "prepare_fused", None)
-        kernel = prepare(call) if prepare is not None and not call.seeded else None
+        fused = backend.fused
+        assert fused is not None
+        kernel = fused.prepare(call) if not call.seeded else None
         if kernel is not None:
             return None, kernel
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
-            return backend.run_fused(call, q, k, v, mask, bias)
+            return _pack(call, *fused.run(call, q, k, v, mask, bias, None))
 
         return run_fused, None
 
     if path.startswith("native"):
-        native = backend.run_native
+        native = backend.native
+        assert native is not None
 
         def run_native(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
-            return _pack(call, *native(call, q, k, v, mask, bias, _keep_mask(call, rng)))
+            keep = _keep_mask(call, rng)
+            return _pack(call, *native.run(call, q, k, v, mask, bias, keep))
 
         return run_native, None
+
+    scores = backend.scores(call.xp)
 
     def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
         keep = _keep_mask(call, rng)
         if path == CHUNKED:
-            out, lse = _core.chunked(call, q, k, v, mask, bias, keep)
+            out, lse = _core.chunked(call, q, k, v, mask, bias, keep, scores=scores)
             return _pack(call, out, None, lse)
-        return _pack(call, *_core.dense(call, q, k, v, mask, bias, keep))
+        return _pack(call, *_core.dense(call, q, k, v, mask, bias, keep, scores=scores))
 
     return run, None
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_attention import _validate
-from portable_attention._validate import backend_name
+from portable_attention._checks import type_name
+from portable_attention._spec import backend_name
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "cupy", "array_api_strict")
 """Every name :func:`to_backend` knows, in the order :func:`available_backends` lists them."""
@@ -41,13 +42,13 @@ def source_framework(x: object) -> str:
     ``"dlpack"`` is any other object with ``__dlpack__`` (another array-API library).
     Python scalars, lists and tuples are not arrays: a ``TypeError``.
     """
-    _validate.check_convertible(x)
+    check_convertible(x)
     name = backend_name(x)
     if name in ("numpy", "torch", "jax", "cupy", "array_api_strict"):
         return name
     if hasattr(x, "__dlpack__"):
         return "dlpack"
-    raise _validate.unknown_array_error(x)
+    raise unknown_array_error(x)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -68,7 +69,7 @@ def dtype_name(dtype: Any) -> str:
 
 def _check_name(name: object) -> str:
     """``name`` of :func:`to_backend`: one of :data:`BACKEND_NAMES`."""
-    return _validate.check_backend_name(name, BACKEND_NAMES)
+    return check_backend_name(name, BACKEND_NAMES)
 
 
 def _import(name: str) -> Any:
@@ -79,7 +80,7 @@ def _import(name: str) -> Any:
             return importlib.import_module("jax.numpy")
         return importlib.import_module(name)
     except Exception as err:  # ImportError, or a broken install failing at import
-        raise _validate.backend_import_error(name, err) from err
+        raise backend_import_error(name, err) from err
 
 
 def _cupy_has_gpu(cupy: Any) -> bool:
@@ -121,7 +122,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda|gpu|rocm|tpu)(?::(\d+))?$")
 def _parse_device(device: str) -> tuple[str, int]:
     match = _DEVICE_RE.match(device.strip().lower())
     if match is None:
-        raise _validate.device_string_error(device)
+        raise device_string_error(device)
     return match.group(1), int(match.group(2) or 0)
 
 
@@ -137,34 +138,34 @@ def _target_device(name: str, device: object, module: Any) -> Any:
             try:
                 return torch.device(device)
             except (RuntimeError, ValueError, TypeError) as err:
-                raise _validate.bad_device_error(name, device, str(err)) from None
-        raise _validate.bad_device_error(name, device)
+                raise bad_device_error(name, device, str(err)) from None
+        raise bad_device_error(name, device)
     if name == "jax":
         import jax
 
         if isinstance(device, jax.Device):
             return device
         if not isinstance(device, str):
-            raise _validate.bad_device_error(name, device)
+            raise bad_device_error(name, device)
         kind, index = _parse_device(device)
         platform = "gpu" if kind in ("cuda", "rocm") else kind
         try:
             devices = jax.devices(platform)
         except RuntimeError as err:
-            raise _validate.jax_platform_error(device, platform, err) from None
+            raise jax_platform_error(device, platform, err) from None
         if index >= len(devices):
-            raise _validate.jax_device_index_error(device, platform, len(devices))
+            raise jax_device_index_error(device, platform, len(devices))
         return devices[index]
     if name == "numpy":
         if isinstance(device, str) and device.strip().lower() == "cpu":
             return None
-        raise _validate.bad_device_error(name, device)
+        raise bad_device_error(name, device)
     if name == "array_api_strict":
         if isinstance(device, module.Device):
             return device
         if isinstance(device, str) and device.strip().lower() == "cpu":
             return module.Device("CPU_DEVICE")
-        raise _validate.bad_device_error(name, device)
+        raise bad_device_error(name, device)
     # cupy
     if isinstance(device, module.cuda.Device):
         return int(device.id)
@@ -172,7 +173,7 @@ def _target_device(name: str, device: object, module: Any) -> Any:
         kind, index = _parse_device(device)
         if kind in ("cuda", "gpu", "rocm"):
             return index
-    raise _validate.bad_device_error(name, device)
+    raise bad_device_error(name, device)
 
 
 # -- to NumPy ----------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def _ml_dtype(name: str, framework: str) -> Any:
     try:
         import ml_dtypes
     except ImportError:
-        raise _validate.ml_dtypes_missing_error(name, framework) from None
+        raise ml_dtypes_missing_error(name, framework) from None
     return np.dtype(getattr(ml_dtypes, name))
 
 
@@ -231,7 +232,7 @@ def _numpy_from(x: Any, src: str) -> np.ndarray:
     try:
         return np.from_dlpack(x)
     except _DLPACK_ERRORS as err:
-        raise _validate.dlpack_to_numpy_error(x, err) from None
+        raise dlpack_to_numpy_error(x, err) from None
 
 
 # -- to each framework -------------------------------------------------------------------------
@@ -312,7 +313,7 @@ def _to_cupy(x: Any, src: str, cupy: Any) -> Any:
             pass
     name = dtype_name(getattr(x, "dtype", None))
     if name in _ML_DTYPES:
-        raise _validate.cupy_dtype_error(name)
+        raise cupy_dtype_error(name)
     return cupy.asarray(_native(_numpy_from(x, src)))
 
 
@@ -324,7 +325,7 @@ def _to_strict(x: Any, src: str, xs: Any) -> Any:
     if a is not None:
         name = a.dtype.name
     if a is None or not hasattr(xs, name):
-        raise _validate.strict_dtype_error(name)
+        raise strict_dtype_error(name)
     try:
         return xs.from_dlpack(a)
     except _DLPACK_ERRORS:
@@ -347,7 +348,7 @@ def _place(out: Any, name: str, device: Any, module: Any, asked: object) -> Any:
             with module.cuda.Device(device):
                 return module.asarray(out)  # copies across GPUs; a no-op on the same one
     except Exception as err:  # e.g. torch without CUDA: an AssertionError from deep inside
-        raise _validate.device_placement_error(name, asked, err) from err
+        raise device_placement_error(name, asked, err) from err
     return out
 
 
@@ -358,7 +359,7 @@ def _check_jax_x64(x: Any) -> None:
     if dtype is None or jax.config.read("jax_enable_x64"):
         return
     if dtype_name(dtype) in ("float64", "int64", "uint64", "complex128"):
-        raise _validate.jax_x64_error(dtype_name(dtype))
+        raise jax_x64_error(dtype_name(dtype))
 
 
 _CONVERTERS = {"torch": _to_torch, "jax": _to_jax, "cupy": _to_cupy, "array_api_strict": _to_strict}
@@ -428,11 +429,11 @@ def to_backend(x: Any, name: str, device: Any = None) -> Any:
             raise
         dtype = dtype_name(getattr(x, "dtype", None))
         shape = tuple(getattr(x, "shape", ()))
-        raise _validate.conversion_error(src, dtype, shape, name, err) from err
+        raise conversion_error(src, dtype, shape, name, err) from err
     out = _place(out, name, target_device, module, device)
     before, after = dtype_name(getattr(x, "dtype", None)), dtype_name(out.dtype)
     if before not in ("None", after):
-        raise _validate.dtype_changed_error(before, name, after)
+        raise dtype_changed_error(before, name, after)
     return out
 
 
@@ -452,3 +453,152 @@ def to_numpy(x: Any) -> np.ndarray:
     """
     out: np.ndarray = to_backend(x, "numpy")
     return out
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+#: How to install each framework to_backend converts to (in its import error).
+_INSTALL = {
+    "numpy": "pip install numpy",
+    "torch": "pip install torch",
+    "jax": "pip install jax",
+    "cupy": "pip install cupy-cuda12x (or the build for your CUDA)",
+    "array_api_strict": "pip install array-api-strict",
+}
+
+#: What ``device=`` of to_backend takes, per target framework.
+_DEVICE_HINTS = {
+    "torch": "pass a string like 'cpu' or 'cuda:1'",
+    "jax": "pass a string like 'cpu' or 'cuda:1'",
+    "numpy": "NumPy arrays live on the CPU; pass 'cpu' or None",
+    "array_api_strict": "pass 'cpu' or an array_api_strict.Device",
+    "cupy": "CuPy arrays live on a GPU; pass 'cuda' or 'cuda:N'",
+}
+
+
+def check_convertible(x: object) -> None:
+    """``x`` of ``to_backend``: None, Python scalars, strings and containers are not arrays
+    (NumPy scalars are, as 0-d arrays: ``numpy.float64`` subclasses ``float`` too)."""
+    python = (bool, int, float, complex, str, bytes, list, tuple, dict)
+    if x is None or (isinstance(x, python) and type(x).__module__ != "numpy"):
+        msg = (
+            f"`x` must be an array (NumPy, PyTorch, JAX, CuPy or array_api_strict), got "
+            f"{type_name(x)}; make an array of it first, e.g. `numpy.asarray(x)`."
+        )
+        raise TypeError(msg)
+
+
+def unknown_array_error(x: object) -> TypeError:
+    """The error for an ``x`` of no known framework and without ``__dlpack__``."""
+    msg = (
+        f"`x` must be an array (NumPy, PyTorch, JAX, CuPy, array_api_strict or any array "
+        f"with `__dlpack__`), got {type_name(x)}."
+    )
+    return TypeError(msg)
+
+
+def check_backend_name(name: object, known: Sequence[str]) -> str:
+    """A target framework's ``name``: one of ``known``."""
+    if not isinstance(name, str) or name not in known:
+        msg = f"`name` must be one of {', '.join(map(repr, known))}, got {name!r}."
+        raise ValueError(msg)
+    return name
+
+
+def backend_import_error(name: str, err: BaseException) -> ValueError:
+    """The error for a target framework that does not import."""
+    msg = (
+        f"`name`={name!r}, but {name} does not import here ({err!r}); install it "
+        f"({_INSTALL[name]}) or pick one of available_backends()."
+    )
+    return ValueError(msg)
+
+
+def device_string_error(device: object) -> ValueError:
+    """The error for a ``device`` string that names no device."""
+    msg = f"`device` must be a device string like 'cpu', 'cuda' or 'cuda:1', got {device!r}."
+    return ValueError(msg)
+
+
+def bad_device_error(name: str, device: object, what: str | None = None) -> ValueError:
+    """The error for a ``device`` the target ``name`` cannot use: ``what`` is wrong (by
+    default, what that target takes)."""
+    why = _DEVICE_HINTS[name] if what is None else what
+    msg = f"`device`={device!r} is not a device for name={name!r}: {why}."
+    return ValueError(msg)
+
+
+def jax_platform_error(device: object, platform: str, err: BaseException) -> ValueError:
+    """The error for a ``device`` on a platform JAX has no devices of."""
+    return bad_device_error("jax", device, f"JAX has no {platform!r} devices ({err})")
+
+
+def jax_device_index_error(device: object, platform: str, count: int) -> ValueError:
+    """The error for a ``device`` index beyond JAX's devices of that platform."""
+    return bad_device_error("jax", device, f"JAX has {count} {platform} device(s)")
+
+
+def device_placement_error(name: str, device: object, err: BaseException) -> ValueError:
+    """The error for a result that the target framework cannot move to ``device``."""
+    return bad_device_error(name, device, f"{type(err).__name__}: {err}")
+
+
+def ml_dtypes_missing_error(dtype: str, framework: str) -> TypeError:
+    """The error for a dtype NumPy has only through ml_dtypes, which is not installed."""
+    msg = (
+        f"`x` has dtype {dtype}, which NumPy has only through the ml_dtypes package: "
+        f"install it (pip install ml_dtypes; it comes with jax) to convert {framework} "
+        f"{dtype} arrays to NumPy, or cast `x` to float32 first."
+    )
+    return TypeError(msg)
+
+
+def dlpack_to_numpy_error(x: object, err: BaseException) -> TypeError:
+    """The error for an array of another library that DLPack cannot bring to NumPy."""
+    msg = f"`x` of type {type_name(x)} cannot be converted to NumPy by DLPack: {err}"
+    return TypeError(msg)
+
+
+def cupy_dtype_error(dtype: str) -> TypeError:
+    """The error for a dtype CuPy lacks (bfloat16, float8)."""
+    msg = f"`x` has dtype {dtype}, which CuPy does not have; cast it to float32 first."
+    return TypeError(msg)
+
+
+def strict_dtype_error(dtype: str) -> TypeError:
+    """The error for a dtype array_api_strict lacks (the 16-bit floats, float8)."""
+    msg = (
+        f"`x` has dtype {dtype}, which array_api_strict does not have; cast it "
+        "to float32 first (or compare 16-bit floats on numpy, torch and jax)."
+    )
+    return TypeError(msg)
+
+
+def jax_x64_error(dtype: str) -> TypeError:
+    """The error for a 64-bit dtype going to JAX without ``jax_enable_x64``."""
+    msg = (
+        f"`x` has dtype {dtype}, but JAX runs without 64-bit types and would "
+        "silently make it 32-bit: enable them with "
+        "`jax.config.update('jax_enable_x64', True)` at startup, or cast `x` first."
+    )
+    return TypeError(msg)
+
+
+def conversion_error(
+    src: str, dtype: str, shape: tuple[int, ...], name: str, err: BaseException
+) -> TypeError:
+    """The error for a conversion the frameworks refused (their error appended)."""
+    msg = (
+        f"cannot convert `x` ({src} array of dtype {dtype}, shape "
+        f"{shape}) to {name}: {type(err).__name__}: {err}"
+    )
+    return TypeError(msg)
+
+
+def dtype_changed_error(before: str, name: str, after: str) -> TypeError:
+    """The error for a conversion that would change the dtype."""
+    msg = (
+        f"converting `x` of dtype {before} to {name} gave dtype {after}; the "
+        "conversion must keep the dtype: cast `x` to a dtype both frameworks have."
+    )
+    return TypeError(msg)

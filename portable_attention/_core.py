@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from portable_attention import masks as _masks
-from portable_attention._validate import Call
+from portable_attention._spec import Call
 
 #: ``keep_mask(shape) -> bool array``: the dropout keep mask, from the framework's RNG.
 KeepMask = Callable[[tuple[int, ...]], Any]
@@ -26,10 +26,19 @@ KeepMask = Callable[[tuple[int, ...]], Any]
 #: Score-block budget of the chunked path, in elements over all batch and head dims.
 CHUNK_BUDGET = 1 << 23
 
-#: ``q @ k^T`` per framework where an adapter has a faster formulation than
-#: ``matmul(q, matrix_transpose(k))`` (JAX: an einsum, which XLA's CPU backend runs
-#: without materialising the transpose). Filled by the adapters when they load.
-SCORES: dict[str, Callable[[Any, Any], Any]] = {}
+#: ``scores(q, k) -> q @ k^T``: an adapter's faster formulation of the scores' matmul
+#: (JAX: an einsum), passed to :func:`dense` and :func:`chunked`; None for the standard
+#: ``matmul(q, matrix_transpose(k))``.
+Scores = Callable[[Any, Any], Any]
+
+#: Above this many bytes of dense scores, ``auto`` takes the chunked portable path.
+DENSE_LIMIT_BYTES = 256 << 20
+
+
+def dense_bytes(call: Call) -> int:
+    """Bytes of the whole score matrix in the compute dtype (NumPy's longdouble: 16)."""
+    itemsize = call.xp.finfo(call.compute_dtype).bits // 8
+    return math.prod(call.q_shape[:-1]) * call.k_shape[-2] * itemsize
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,18 @@ def _distances(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tupl
     return cols[0] - (rows[1] - 1) - offset, (cols[1] - 1) - rows[0] - offset
 
 
+def key_span(call: Call, rows: tuple[int, int]) -> tuple[int, int]:
+    """The keys ``(start, stop)`` that ``causal``/``window`` leave to the query rows
+    ``rows``: every key outside is masked for each of them (``start >= stop``: none is
+    left). Kernels compute only these columns of the block."""
+    lk = call.k_shape[-2]
+    left, right = window_sides(call)
+    offset = lk - call.q_shape[-2] if call.align == "lower_right" else 0
+    start = 0 if left is None else max(0, rows[0] + offset - left)
+    stop = lk if right is None else min(lk, rows[1] - 1 + offset + right + 1)
+    return start, max(start, stop)
+
+
 def structural_mask(
     call: Call,
     *,
@@ -159,10 +180,32 @@ def kernel_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     alone = call.causal is not None and call.window is None and mask is None and bias is None
     if alone and exact:
         return None, True
-    allowed = structural_mask(call, device=call.device)
-    if mask is not None:
-        allowed = mask if allowed is None else (mask & allowed)
-    return allowed, False
+    return allowed(call, mask), False
+
+
+def kernel_operand(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
+    """``(attn_mask, is_causal)`` for kernels that take one mask operand, boolean or
+    additive (torch SDPA): :func:`kernel_mask`, with ``bias`` where given (``-inf`` where
+    the boolean mask drops a score)."""
+    keep, is_causal = kernel_mask(call, mask, bias)
+    if bias is None or keep is None:
+        return (keep if bias is None else bias), is_causal
+    return call.xp.where(keep, bias, -call.xp.inf), False
+
+
+def allowed(
+    call: Call,
+    mask: Any,
+    *,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> Any:
+    """The user's ``mask`` (already cut to the block) and the band of ``causal`` and
+    ``window`` on ``rows x cols`` together: True = may attend; None where nothing masks."""
+    band = structural_mask(call, device=call.device, rows=rows, cols=cols)
+    if mask is None:
+        return band
+    return mask if band is None else (mask & band)
 
 
 def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
@@ -184,24 +227,29 @@ def block_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
 
 
 def _masked_scores(
-    call: Call, ops: Operands, rows: tuple[int, int], cols: tuple[int, int], *, whole: bool
+    call: Call,
+    ops: Operands,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    *,
+    whole: bool,
+    scores: Scores | None,
+    band: bool = True,
 ) -> Any:
-    """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, then ``-inf`` where masked."""
+    """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, then ``-inf`` where masked
+    (``band=False``: ``causal``/``window`` are already in the mask)."""
     xp = call.xp
     qb = ops.q if whole else ops.q[..., rows[0] : rows[1], :]
     kb = ops.k if whole else ops.k[..., cols[0] : cols[1], :]
-    scores = SCORES.get(call.backend)
     s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
     if call.softcap is not None:
         s = call.softcap * xp.tanh(s / call.softcap)
     if ops.bias is not None:
         s = s + (ops.bias if whole else block_of(ops.bias, rows, cols))
-    allowed = structural_mask(call, device=call.device, rows=rows, cols=cols)
-    if ops.mask is not None:
-        user = ops.mask if whole else block_of(ops.mask, rows, cols)
-        allowed = user if allowed is None else (user & allowed)
-    if allowed is not None:
-        s = xp.where(allowed, s, -xp.inf)
+    user = ops.mask if whole else block_of(ops.mask, rows, cols)
+    keep = allowed(call, user, rows=rows, cols=cols) if band else user
+    if keep is not None:
+        s = xp.where(keep, s, -xp.inf)
     return s
 
 
@@ -220,11 +268,13 @@ def _empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     return out, weights, lse
 
 
-def _finish(call: Call, out: Any, lse: Any) -> tuple[Any, Any]:
-    """Grouped ``[..., Hk, G, Lq, Dv]`` results back to the caller's shapes and dtype."""
+def _finish(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[Any, Any]:
+    """Grouped ``[..., Hk, G, Lq, Dv]`` results back to the caller's shapes and dtype
+    (``lq``: the rows computed, where they are a block of the call's queries)."""
     xp = call.xp
-    out = xp.astype(xp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1])), call.dtype, copy=False)
-    return out, xp.reshape(lse, call.q_shape[:-1])
+    lead = (*call.q_shape[:-2], call.q_shape[-2] if lq is None else lq)
+    out = xp.astype(xp.reshape(out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
+    return out, xp.reshape(lse, lead)
 
 
 def dense(
@@ -236,7 +286,9 @@ def dense(
     bias: Any = None,
     keep_mask: KeepMask | None = None,
     *,
+    scores: Scores | None = None,
     guarded: bool | None = None,
+    band: bool = True,
 ) -> tuple[Any, Any, Any]:
     """Attention with the full ``[..., Lq, Lk]`` score matrix.
 
@@ -245,25 +297,30 @@ def dense(
     in the compute dtype. The softmax division is applied to ``out`` (``Lq*Dv``
     divisions) rather than to the scores (``Lq*Lk``) unless the weights are wanted.
     ``guarded``: the softmax's empty-row guards; None: where :func:`rows_may_be_empty`.
-    An adapter may ask for them where they measure faster.
+    An adapter may ask for them where they measure faster. ``band=False``: ``q`` may be
+    a block of the call's query rows, and ``mask`` (cut to those rows) already holds
+    ``causal`` and ``window`` (JAX's query blocks, whose offset is traced).
     """
     if call.k_shape[-2] == 0:
         return _empty_keys(call, q, k, v)
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias)
-    grid = ((0, call.q_shape[-2]), (0, call.k_shape[-2]))
-    s = _masked_scores(call, ops, *grid, whole=True)
+    lq = q.shape[-2]
+    grid = ((0, lq), (0, call.k_shape[-2]))
+    s = _masked_scores(call, ops, *grid, whole=True, scores=scores, band=band)
     if guarded is None:
         guarded = rows_may_be_empty(call)
     e, denom, lse = _softmax_parts(xp, s, guarded=guarded)
     p = e
     if keep_mask is not None:
         p = inverted_dropout(xp, p, keep_mask, call.dropout)
-    out, lse = _finish(call, xp.matmul(p, ops.v) / denom, lse)
+    out, lse = _finish(call, xp.matmul(p, ops.v) / denom, lse, lq)
     weights = None
     if call.return_weights:
         weights = xp.astype(
-            xp.reshape(e / denom, (*call.q_shape[:-1], call.k_shape[-2])), call.dtype, copy=False
+            xp.reshape(e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
+            call.dtype,
+            copy=False,
         )
     return out, weights, lse
 
@@ -325,6 +382,8 @@ def chunked(
     mask: Any = None,
     bias: Any = None,
     keep_mask: KeepMask | None = None,
+    *,
+    scores: Scores | None = None,
 ) -> tuple[Any, Any]:
     """Online-softmax attention over query and key blocks; returns ``(out, lse)``.
 
@@ -348,7 +407,7 @@ def chunked(
             cols = (k0, min(k0 + size, lk))
             if _block_is_empty(call, rows, cols):
                 continue
-            s = _masked_scores(call, ops, rows, cols, whole=False)
+            s = _masked_scores(call, ops, rows, cols, whole=False, scores=scores)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
             m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
             e = xp.exp(s - m_safe)

@@ -33,7 +33,6 @@ import numpy as np
 
 from portable_attention import _cases, attend, plan
 from portable_attention._cases import Array, Case
-from portable_attention._validate import check_cli_names, check_cli_output
 
 #: (rtol, atol) by dtype: a result agrees where ``|x - ref| <= atol + rtol * |ref|``.
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -650,3 +649,34 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
         return 1
     print(f"\nAll {len(rows)} results agree with the oracle and with each other.")
     return 0
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def check_cli_names(text: str, known: Sequence[str], what: str) -> list[str]:
+    """The names of a comma list option ``--what``, each one of ``known``; else the
+    ``argparse.ArgumentTypeError`` the report turns into a usage error."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))  # once each
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        import argparse  # only the command line gets here: the library does not import it
+
+        msg = (
+            f"--{what} {text!r}: unknown {what} {unknown or text!r}; choose from {', '.join(known)}"
+        )
+        raise argparse.ArgumentTypeError(msg)
+    return names
+
+
+def check_cli_output(path: str) -> None:
+    """``--json FILE``: a file in an existing directory, checked before the run (not after
+    minutes of it); else the ``argparse.ArgumentTypeError`` of a usage error."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or os.path.isdir(path):
+        import argparse
+
+        msg = f"--json {path!r}: not a file in an existing directory"
+        raise argparse.ArgumentTypeError(msg)

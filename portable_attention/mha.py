@@ -26,9 +26,11 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from portable_attention import _core, _validate
+from portable_attention import _checks, _core
 from portable_attention._attention import attend
+from portable_attention._checks import as_int, is_kind
 from portable_attention._convert import to_numpy
+from portable_attention._spec import check_arrays, check_mask_bias
 from portable_attention.backends import adapter
 
 __all__ = ["MultiHeadAttention", "dropout", "init_params", "multi_head_attention"]
@@ -109,7 +111,7 @@ def multi_head_attention(
     key = query if key is None else key
     value = key if value is None else value
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    xp = _validate.check_mha_call(
+    xp = _check_mha_call(
         params, query, key, value, num_heads, num_kv_heads, key_padding_mask, mask, bias, WEIGHTS
     )
 
@@ -179,12 +181,12 @@ def init_params(
         Seed of the NumPy generator.
     """
     hk = num_heads if num_kv_heads is None else num_kv_heads
-    _validate.check_mha_sizes(embed_dim, num_heads, hk, kdim, vdim)
+    _check_mha_sizes(embed_dim, num_heads, hk, kdim, vdim)
     if xp is None:
         import numpy as xp
     ns = array_api_compat.array_namespace(xp.asarray(0.0))
     dtype = ns.float32 if dtype is None else dtype
-    _validate.check_param_dtype(ns, dtype)
+    _check_param_dtype(ns, dtype)
     d = embed_dim // num_heads
     kdim = embed_dim if kdim is None else kdim
     vdim = embed_dim if vdim is None else vdim
@@ -204,7 +206,7 @@ def init_params(
         }
     kwargs = {} if device is None else {"device": device}
     params = {n: ns.asarray(a.astype(np.float64), dtype=dtype, **kwargs) for n, a in host.items()}
-    _validate.check_made_dtype(params["w_q"].dtype, dtype)
+    _check_made_dtype(params["w_q"].dtype, dtype)
     return params
 
 
@@ -233,7 +235,7 @@ class MultiHeadAttention:
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.dropout = _validate.check_dropout(dropout)
+        self.dropout = _checks.check_dropout(dropout)
         self.params = init_params(
             embed_dim,
             num_heads,
@@ -285,7 +287,7 @@ class MultiHeadAttention:
         """Replace the parameters with ``state`` (any framework's arrays, e.g. from
         ``state_dict_portable()`` of the torch module), converted to this object's namespace,
         dtype and device. Keys and shapes must match the current ones."""
-        _validate.check_state_keys(state, self.params)
+        _checks.check_state_keys(state, self.params)
         new = {}
         for name, old in self.params.items():
             xp = array_api_compat.array_namespace(old)
@@ -295,7 +297,7 @@ class MultiHeadAttention:
             ):  # another framework's array
                 src = xp.asarray(host_array(src))
             arr = xp.asarray(xp.astype(src, old.dtype), device=array_api_compat.device(old))
-            _validate.check_state_shape(name, tuple(arr.shape), tuple(old.shape))
+            _checks.check_state_shape(name, tuple(arr.shape), tuple(old.shape))
             new[name] = arr
         self.params = new
 
@@ -319,11 +321,160 @@ def dropout(x: Any, p: float, *, rng: Any = None) -> Any:
     returns ``x`` itself (a given ``rng`` is still checked). For the residual and
     feed-forward dropouts of a Transformer layer: see ``examples/encoder_layer.py``.
     """
-    p = _validate.check_dropout(p, name="p")
-    xp, backend, device = _validate.check_dropout_input(x)
+    p = _checks.check_dropout(p, name="p")
+    xp, backend, device = _check_dropout_input(x)
     if p == 0 and rng is None:
         return x
     keep = adapter(backend).keep_mask(rng, p, xp, device)  # a wrong rng raises here
     if p == 0:
         return x
     return _core.inverted_dropout(xp, x, keep, p)
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def _check_mha_call(
+    params: dict[str, Any],
+    query: Any,
+    key: Any,
+    value: Any,
+    num_heads: int,
+    num_kv_heads: int,
+    key_padding_mask: Any,
+    mask: Any,
+    bias: Any,
+    weights: tuple[str, ...],
+) -> Any:
+    """Every argument check of ``mha.multi_head_attention``; returns the namespace.
+
+    ``mask`` and ``bias`` are checked here as :func:`attend` would, against the scores
+    ``[B, Hq, Lq, Lk]``: ``mask`` is combined with ``key_padding_mask`` before ``attend``
+    sees it."""
+    missing = [n for n in weights if n not in params]
+    if missing:
+        msg = f"`params` lacks {missing}; expected keys {list(weights)} (+ optional biases)"
+        raise ValueError(msg)
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        msg = f"`num_heads` must be a positive int, got {num_heads!r}"
+        raise ValueError(msg)
+    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        msg = (
+            f"`num_kv_heads` must be a positive divisor of `num_heads`={num_heads}, "
+            f"got {num_kv_heads!r}"
+        )
+        raise ValueError(msg)
+    named = {f"params[{n!r}]": p for n, p in params.items() if p is not None}
+    xp, _, _ = check_arrays(
+        query=query,
+        key=key,
+        value=value,
+        key_padding_mask=key_padding_mask,
+        mask=mask,
+        bias=bias,
+        **named,
+    )
+    if key_padding_mask is not None and not is_kind(xp, key_padding_mask.dtype, "bool"):
+        msg = (
+            f"`key_padding_mask` must be boolean [B, Lk] (True = real key), got dtype "
+            f"{key_padding_mask.dtype}; for 0/1 where 1 = real key pass `key_padding_mask != 0`, "
+            "for torch's True = padding pass its negation."
+        )
+        raise TypeError(msg)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 3:
+            got = getattr(x, "shape", type(x))
+            msg = f"`{name}` must be a batch-first [B, L, E] array, got {got}"
+            raise ValueError(msg)
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        msg = f"batch sizes differ: `query` {query.shape}, `key` {key.shape}, `value` {value.shape}"
+        raise ValueError(msg)
+    if key.shape[1] != value.shape[1]:
+        msg = f"`key` {key.shape} and `value` {value.shape} must have the same length"
+        raise ValueError(msg)
+    shapes = {n: tuple(params[n].shape) for n in weights}
+    wq, wk, wv, wo = (shapes[n] for n in weights)
+    ok = (
+        len(wq) == len(wk) == len(wv) == len(wo) == 2
+        and wq[1] % num_heads == 0
+        and wk[1] % num_kv_heads == 0
+        and wv[1] % num_kv_heads == 0
+        and wq[1] // num_heads == wk[1] // num_kv_heads
+        and wo[0] == num_heads * (wv[1] // num_kv_heads)
+        and wq[0] == query.shape[2]
+        and wk[0] == key.shape[2]
+        and wv[0] == value.shape[2]
+    )
+    if not ok:
+        msg = (
+            f"parameter shapes {shapes} do not fit `num_heads`={num_heads}, "
+            f"`num_kv_heads`={num_kv_heads} and inputs `query` {query.shape}, `key` {key.shape}, "
+            f"`value` {value.shape}; expected w_q (E, Hq*D), w_k (kdim, Hk*D), "
+            "w_v (vdim, Hk*Dv), w_o (Hq*Dv, E)"
+        )
+        raise ValueError(msg)
+    for name, arr in params.items():
+        if arr is not None and arr.dtype != query.dtype:
+            msg = f"`params[{name!r}]` has dtype {arr.dtype}, `query` has {query.dtype}; cast one"
+            raise TypeError(msg)
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (
+        key.shape[0],
+        key.shape[1],
+    ):
+        msg = (
+            f"`key_padding_mask` must be boolean [B, Lk] = {(key.shape[0], key.shape[1])}, "
+            f"got shape {tuple(key_padding_mask.shape)}"
+        )
+        raise ValueError(msg)
+    scores = (query.shape[0], num_heads, query.shape[1], key.shape[1])
+    check_mask_bias(xp, mask, bias, query.dtype, scores)
+    return xp
+
+
+def _check_mha_sizes(
+    embed_dim: int, num_heads: int, num_kv_heads: int, kdim: int | None, vdim: int | None
+) -> None:
+    """``init_params``: positive ints; ``embed_dim`` a multiple of ``num_heads``, which
+    ``num_kv_heads`` divides."""
+    sizes = {"embed_dim": embed_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    sizes |= {n: d for n, d in (("kdim", kdim), ("vdim", vdim)) if d is not None}
+    for name, size in sizes.items():
+        number = as_int(size)
+        if number is None or number <= 0:
+            msg = f"`{name}` must be a positive int, got {size!r}"
+            raise TypeError(msg) if number is None else ValueError(msg)
+    if embed_dim % num_heads:
+        msg = f"`embed_dim`={embed_dim} must be a positive multiple of `num_heads`={num_heads}"
+        raise ValueError(msg)
+    if num_heads % num_kv_heads:
+        msg = f"`num_kv_heads`={num_kv_heads} must be a positive divisor of `num_heads`={num_heads}"
+        raise ValueError(msg)
+
+
+def _check_dropout_input(x: Any) -> tuple[Any, str, Any]:
+    """``mha.dropout``'s ``x``: one floating array; returns ``(xp, backend, device)``."""
+    xp, backend, device = check_arrays(x=x)
+    if not is_kind(xp, x.dtype, "real floating"):
+        msg = f"`x` must have a real floating dtype, got {x.dtype}."
+        raise TypeError(msg)
+    return xp, backend, device
+
+
+def _check_param_dtype(xp: Any, dtype: Any) -> None:
+    """``init_params``: a real floating ``dtype`` of the namespace."""
+    if not is_kind(xp, dtype, "real floating"):
+        msg = f"`dtype` must be a real floating dtype (float32, float64, ...), got {dtype!r}."
+        raise TypeError(msg)
+
+
+def _check_made_dtype(got: Any, wanted: Any) -> None:
+    """``init_params``: the framework made the asked dtype (JAX without 64-bit types makes
+    float64 into float32 with only a warning)."""
+    if got != wanted:
+        name = getattr(wanted, "__name__", wanted)
+        msg = (
+            f"`dtype`={name} came out as {got}: the framework cannot hold it here (for JAX "
+            "enable 64-bit types with `jax.config.update('jax_enable_x64', True)` at startup), "
+            "or ask for the dtype it gives."
+        )
+        raise TypeError(msg)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from portable_attention import _validate
+from portable_attention._checks import as_int, type_name
 
 __all__ = ["heatmap", "side_by_side"]
 
@@ -34,7 +34,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise _validate.matplotlib_missing_error() from exc
+        raise _matplotlib_missing_error() from exc
     return plt
 
 
@@ -49,24 +49,24 @@ def _to_numpy(weights: Any, name: str = "weights") -> npt.NDArray[np.float64]:
             weights = xp.astype(weights, xp.float32)
         a = np.asarray(_convert.to_numpy(weights))
     except (TypeError, ValueError) as exc:
-        raise _validate.weights_type_error(name, weights, exc) from exc
+        raise _weights_type_error(name, weights, exc) from exc
     if not (np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.bool_)):
         try:  # bfloat16 from JAX arrives as an ml_dtypes extension dtype
             return a.astype(np.float64)
         except (TypeError, ValueError):
-            raise _validate.real_weights_error(name, a.dtype) from None
+            raise _real_weights_error(name, a.dtype) from None
     if np.iscomplexobj(a):
-        raise _validate.real_weights_error(name, a.dtype)
-    _validate.check_weights_shape(name, a.shape)
+        raise _real_weights_error(name, a.dtype)
+    _check_weights_shape(name, a.shape)
     return a.astype(np.float64)
 
 
 def _pick(a: npt.NDArray[np.float64], head: Head) -> tuple[npt.NDArray[np.float64], str]:
     """The ``[Lq, Lk]`` panel that ``head`` names, and its title."""
     lead = a.shape[:-2]
-    head = _validate.check_head(head, a.shape)
+    head = _check_head(head, a.shape)
     flat = a.reshape(-1, *a.shape[-2:])
-    _validate.check_head_index(head, a.shape)
+    _check_head_index(head, a.shape)
     if isinstance(head, int):
         index = np.unravel_index(head % flat.shape[0], lead)
     else:
@@ -183,9 +183,9 @@ def heatmap(
     """
     plt = _pyplot()
     a = _to_numpy(weights)
-    _validate.check_labels(query_labels, a.shape[-2], "query_labels", "queries")
-    _validate.check_labels(key_labels, a.shape[-1], "key_labels", "keys")
-    _validate.check_color_limits(vmin, vmax)
+    _check_labels(query_labels, a.shape[-2], "query_labels", "queries")
+    _check_labels(key_labels, a.shape[-1], "key_labels", "keys")
+    _check_color_limits(vmin, vmax)
 
     if a.ndim == 2 or head is not None:
         panel, panel_title = (a, None) if head is None else _pick(a, head)
@@ -208,7 +208,7 @@ def heatmap(
             ax.figure.colorbar(image, ax=ax)
         return ax
 
-    _validate.check_grid(a.shape, ax, MAX_PANELS)
+    _check_grid(a.shape, ax, MAX_PANELS)
     low, high = _scale(a, vmin, vmax)  # one scale for the whole grid
     lead = a.shape[:-2]
     n = math.prod(lead)
@@ -278,17 +278,17 @@ def side_by_side(
         leading axes without ``head``.
     """
     plt = _pyplot()
-    _validate.check_any_weights(weights)
+    _check_any_weights(weights)
     panels: dict[str, npt.NDArray[np.float64]] = {}
     for name, w in weights.items():
         a = _to_numpy(w, f"weights[{name!r}]")
-        _validate.check_side_panel(name, a.shape, head)
+        _check_side_panel(name, a.shape, head)
         panels[name] = a if a.ndim == 2 else _pick(a, head)[0]
     shapes = {name: p.shape for name, p in panels.items()}
-    _validate.check_same_shapes(shapes)
+    _check_same_shapes(shapes)
     lq, lk = next(iter(panels.values())).shape
-    _validate.check_labels(query_labels, lq, "query_labels", "queries")
-    _validate.check_labels(key_labels, lk, "key_labels", "keys")
+    _check_labels(query_labels, lq, "query_labels", "queries")
+    _check_labels(key_labels, lk, "key_labels", "keys")
     low, high = _scale(np.stack(list(panels.values())), None, None)
     n = len(panels)
     fig = plt.figure(figsize=(n * _inches(lk) + 1.0, _inches(lq) + 1.0), layout="constrained")
@@ -302,3 +302,143 @@ def side_by_side(
     if title:
         fig.suptitle(title)
     return fig
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def _matplotlib_missing_error() -> ImportError:
+    """The error of ``portable_attention.plot`` without matplotlib."""
+    msg = (
+        "portable_attention.plot needs matplotlib, which is not installed: "
+        "pip install 'portable-attention[plot]' (or pip install matplotlib)"
+    )
+    return ImportError(msg)
+
+
+def _weights_type_error(name: str, weights: object, err: BaseException) -> TypeError:
+    """The error for weights that cannot be converted to NumPy."""
+    msg = f"`{name}` must be an array of weights [..., Lq, Lk], got {type(weights).__name__}: {err}"
+    return TypeError(msg)
+
+
+def _real_weights_error(name: str, dtype: object) -> TypeError:
+    """The error for weights that do not hold real numbers."""
+    msg = f"`{name}` must hold real numbers, got dtype {dtype}"
+    return TypeError(msg)
+
+
+def _check_weights_shape(name: str, shape: tuple[int, ...]) -> None:
+    """Weights to draw: at least ``[Lq, Lk]``, neither of them 0."""
+    if len(shape) < 2:
+        msg = f"`{name}` must have at least 2 dimensions [..., Lq, Lk], got shape {list(shape)}"
+        raise ValueError(msg)
+    if shape[-1] == 0 or shape[-2] == 0:
+        msg = f"`{name}` of shape {list(shape)} has no query or no key to draw"
+        raise ValueError(msg)
+
+
+def _check_labels(labels: Sequence[Any] | None, n: int, name: str, axis: str) -> None:
+    """Tick labels: one per query (``axis="queries"``) or key (``axis="keys"``), or None."""
+    if labels is not None and not hasattr(labels, "__len__"):
+        msg = f"`{name}` must be a sequence of labels (a list or tuple), got {type_name(labels)}"
+        raise TypeError(msg)
+    if labels is not None and len(labels) != n:
+        msg = (
+            f"`{name}` has {len(labels)} labels but the weights have {n} {axis} "
+            f"(axis {'-2' if axis == 'queries' else '-1'}); pass one label per "
+            f"{'query' if axis == 'queries' else 'key'}"
+        )
+        raise ValueError(msg)
+
+
+def _check_head(head: object, shape: tuple[int, ...]) -> int | tuple[Any, ...]:
+    """``head=`` of the plots: weights of ``shape`` with leading axes, an int or a tuple
+    (returned; :func:`_check_head_index` checks that it is in range)."""
+    if not shape[:-2]:
+        msg = f"`head` needs weights with leading (head) axes; these are 2-D {list(shape)}"
+        raise ValueError(msg)
+    index = as_int(head)  # NumPy integers too
+    if index is not None:
+        return index
+    sides = tuple(as_int(h) for h in head) if isinstance(head, tuple) else (None,)
+    if None in sides:
+        msg = f"`head` must be an int or a tuple of ints, got {head!r}"
+        raise TypeError(msg)
+    return sides
+
+
+def _check_head_index(head: int | tuple[Any, ...], shape: tuple[int, ...]) -> None:
+    """``head=`` (after :func:`_check_head`) indexes the leading axes of ``shape``."""
+    lead = shape[:-2]
+    panels = math.prod(lead)
+    if isinstance(head, int):
+        if not -panels <= head < panels:
+            msg = (
+                f"`head={head}` is out of range for weights {list(shape)}: "
+                f"{panels} panels over the leading axes {list(lead)}"
+            )
+            raise ValueError(msg)
+    elif len(head) != len(lead) or not all(
+        isinstance(i, int) and -n <= i < n for i, n in zip(head, lead, strict=False)
+    ):
+        msg = (
+            f"`head={head}` does not index the leading axes {list(lead)} of weights "
+            f"{list(shape)}; pass one int per leading axis"
+        )
+        raise ValueError(msg)
+
+
+def _check_grid(shape: tuple[int, ...], ax: object, max_panels: int) -> None:
+    """A grid of every head of weights ``shape``: no ``ax=``, at most ``max_panels``."""
+    n = math.prod(shape[:-2])
+    if ax is not None:
+        msg = (
+            f"`ax` takes one heatmap, but weights {list(shape)} with head=None draw a grid "
+            f"of {n} heads; pass head=... to draw one, or fig=..."
+        )
+        raise ValueError(msg)
+    if n > max_panels:
+        msg = (
+            f"weights {list(shape)} have {n} heads, more than {max_panels} panels; "
+            "pass `head=` to draw one (or slice the weights first)"
+        )
+        raise ValueError(msg)
+
+
+def _check_color_limits(vmin: float | None, vmax: float | None) -> None:
+    """``vmin``/``vmax`` of the plots, when both are given: ``vmin < vmax``."""
+    if vmin is not None and vmax is not None and not vmin < vmax:
+        msg = f"`vmin`={vmin!r} must be below `vmax`={vmax!r}"
+        raise ValueError(msg)
+
+
+def _check_any_weights(weights: object) -> None:
+    """``weights`` of ``side_by_side``: a mapping (title -> weights), not empty."""
+    from collections.abc import Mapping
+
+    if not isinstance(weights, Mapping):
+        msg = (
+            f"`weights` must be a mapping of panel title -> weights array (a dict), got "
+            f"{type_name(weights)}; e.g. `side_by_side({{'numpy': w_np, 'torch': w_pt}})`"
+        )
+        raise TypeError(msg)
+    if not weights:
+        msg = "`weights` is empty: pass a mapping of panel title -> weights array"
+        raise ValueError(msg)
+
+
+def _check_side_panel(name: object, shape: tuple[int, ...], head: object) -> None:
+    """One entry of ``side_by_side``: weights with leading axes need ``head=``."""
+    if len(shape) > 2 and head is None:
+        msg = (
+            f"`weights[{name!r}]` has shape {list(shape)}: pass `head=` to pick one [Lq, Lk] panel"
+        )
+        raise ValueError(msg)
+
+
+def _check_same_shapes(shapes: dict[str, tuple[int, ...]]) -> None:
+    """The panels of ``side_by_side``: all of one shape."""
+    if len(set(shapes.values())) > 1:
+        msg = f"`weights` must all have one shape, got {shapes}"
+        raise ValueError(msg)

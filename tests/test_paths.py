@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import _core, attend, plan
-from portable_attention._validate import validate_call
+from portable_attention._spec import validate_call
 from portable_attention.backends import numpy as numpy_backend
 
 import oracle

@@ -443,7 +443,7 @@ def test_json_path_checked_before_the_run(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_repeated_cli_names_count_once() -> None:
-    from portable_attention._validate import check_cli_names
+    from portable_attention._report import check_cli_names
 
     assert check_cli_names("torch,numpy,torch", ["numpy", "torch"], "backends") == [
         "torch",

@@ -2,8 +2,8 @@
 
 Calls from several threads mix backends, shapes, options and paths (the NumPy kernel's
 own threaded blocks included, torch SDPA, the portable dense and chunked paths, seeded
-dropout), in shuffled order; the call memo is made small so that it is cleared again and
-again while other threads read it, and the plan cache fills from many threads at once.
+dropout), in shuffled order; the call memo is made small so that it evicts entries again
+and again while other threads read it and insert.
 Results are compared bit for bit with serial calls of the same arguments.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from portable_attention import _attention, _plan, attend, plan
+from portable_attention import _memo, attend, plan
 from portable_attention.backends import numpy as numpy_backend
 
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
@@ -136,14 +136,13 @@ def test_concurrent_calls_per_backend(backend: Backend) -> None:
     _run_concurrently(jobs, repeats=2, workers=4)
 
 
-def test_memo_cleared_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memo_evicts_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """The call memo holds 5 calls per array type here, so with 3 shapes x 8 option sets
-    in flight it is cleared hundreds of times while other threads look up and insert; the
-    plan cache is emptied first so that it fills from all threads at once. Results stay
-    exact, the memo never outgrows its bound, plan() agrees with a fresh serial plan."""
-    monkeypatch.setattr(_attention, "_CALLS_MAX", 5)
-    monkeypatch.setattr(_attention, "_calls", {})
-    monkeypatch.setattr(_plan, "_cache", {})
+    in flight it evicts hundreds of times while other threads look up and insert. Results
+    stay exact, the memo never outgrows its bound, and a memoised call gives what the same
+    call gives after the memo is cleared."""
+    monkeypatch.setattr(_memo, "MAX_ENTRIES", 5)
+    monkeypatch.setattr(_memo, "_tables", {})
     jobs = [
         (b, job)
         for b in BACKENDS
@@ -158,7 +157,7 @@ def test_memo_cleared_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def watch() -> None:
         while not stop.is_set():
-            sizes.extend(len(memo) for memo in list(_attention._calls.values()))
+            sizes.extend(len(memo) for memo in list(_memo._tables.values()))
             time.sleep(1e-4)
 
     watcher = threading.Thread(target=watch)
@@ -173,9 +172,10 @@ def test_memo_cleared_while_read(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = rng_for("threads", "plan-check")
     q = b.asarray(randn(rng, (2, 4, 3, 8)), "float32")
     k = b.asarray(randn(rng, (2, 2, 5, 8)), "float32")
-    cached = plan(q, k, k, causal=True)
-    monkeypatch.setattr(_plan, "_cache", {})
-    assert plan(q, k, k, causal=True) == cached
+    memoised = attend(q, k, k, causal=True)
+    assert plan(q, k, k, causal=True) == plan(q, k, k, causal=True)
+    _memo.clear()
+    np.testing.assert_array_equal(b.to_numpy(attend(q, k, k, causal=True)), b.to_numpy(memoised))
 
 
 @requires_backend("numpy")

@@ -1,25 +1,30 @@
 """Per-framework adapters, imported only when that framework's arrays arrive.
 
-Each module binds what the array API standard cannot express for its framework: the RNG
-for dropout (``keep_mask(rng, p, xp, device)`` returns ``shape -> bool keep mask``) and,
-where the framework has one, its fused kernel (``fused_reason(call)`` says why it cannot
-run a call, ``run_fused`` runs it) or a native kernel (``native_reason``/``run_native``).
+Each module defines ``ADAPTER``, an instance of a subclass of
+:class:`portable_attention.backends._base.Adapter`: the RNG for dropout, the scores'
+matmul where the framework has a faster one, and its fused and native kernels where it
+has them (see :mod:`portable_attention.backends._base`). A new backend is a module here
+and one line in ``_MODULES``.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from types import ModuleType
 
-_ADAPTERS = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy"}
+from portable_attention.backends._base import Adapter
+
+#: Framework name (``portable_attention._spec.backend_name``) -> adapter module.
+_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy"}
 
 
-def adapter(backend: str) -> ModuleType:
-    """The adapter module of ``backend``; ``generic`` for other array-API libraries."""
-    name = f"{__name__}.{_ADAPTERS.get(backend, 'generic')}"
+def adapter(backend: str) -> Adapter:
+    """The adapter of ``backend``; the generic one for other array-API libraries."""
+    name = f"{__name__}.{_MODULES.get(backend, 'generic')}"
     module = sys.modules.get(name)  # a dict lookup that torch.compile traces
-    return module if module is not None else importlib.import_module(name)
+    if module is None:
+        module = importlib.import_module(name)
+    return module.ADAPTER  # type: ignore[no-any-return]
 
 
 def preload() -> None:
@@ -28,6 +33,6 @@ def preload() -> None:
     Called when the package is imported, so that a first call of ``attend`` traced by
     ``torch.compile`` (which cannot import modules) finds its adapter loaded.
     """
-    for framework, module in _ADAPTERS.items():
+    for framework, module in _MODULES.items():
         if framework in sys.modules and framework != "numpy":
             importlib.import_module(f"{__name__}.{module}")

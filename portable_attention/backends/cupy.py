@@ -4,26 +4,24 @@ result back as CuPy; dropout draws from a ``cupy.random.Generator`` or ``RandomS
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from typing import Any
 
-import array_api_compat
 import cupy
 
-from portable_attention import _validate
+from portable_attention import _core, _spec
+from portable_attention._core import KeepMask
+from portable_attention.backends._base import Adapter, Kernel
 
 NAME = "CuPy"
-PATH = "fused:cupy-via-torch"
 RNG = "a cupy.random.Generator or cupy.random.RandomState (or None for CuPy's global RNG)"
-FUSED_WHY = "torch SDPA on the same GPU through DLPack (no copies) covers this call"
 
 
-def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
+def _keep_mask(rng: Any, p: float, device: Any) -> Any:
     """Keep mask drawn on the arrays' GPU (without ``rng``, from that GPU's global
     random state: CuPy keeps one per device)."""
     if rng is not None and not isinstance(rng, (cupy.random.Generator, cupy.random.RandomState)):
-        raise _validate.rng_type_error(NAME, RNG, rng)
+        raise _spec.rng_type_error(NAME, RNG, rng)
 
     def draw(shape: tuple[int, ...]) -> Any:
         with device:
@@ -35,7 +33,7 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     return draw
 
 
-def fused_reason(call: _validate.Call) -> str | None:
+def _fused_reason(call: _spec.Call) -> str | None:
     """Why torch SDPA cannot run ``call`` for CuPy arrays (None: it can)."""
     if importlib.util.find_spec("torch") is None:
         return "CuPy has no attention kernel and torch (for SDPA via DLPack) is not installed"
@@ -50,25 +48,18 @@ def fused_reason(call: _validate.Call) -> str | None:
     return torch_adapter.fused_reason(call)
 
 
-def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
-    """Run torch SDPA on DLPack views of the CuPy arrays; return CuPy."""
+def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
+    """Run torch SDPA on DLPack views of the CuPy arrays; return CuPy. The mask operand
+    is built in CuPy (``_core`` on the call's namespace), then viewed by torch."""
     import torch
 
     from portable_attention.backends import torch as torch_adapter
 
+    attn_mask, is_causal = _core.kernel_operand(call, mask, bias)
     tq, tk, tv = (_to_torch(x) for x in (q, k, v))
-    tmask = None if mask is None else _to_torch(mask)
-    tbias = None if bias is None else _to_torch(bias)
-    tcall = dataclasses.replace(
-        call,
-        xp=array_api_compat.array_namespace(tq),
-        backend="torch",
-        device=tq.device,
-        dtype=tq.dtype,
-        compute_dtype=_validate.compute_dtype_for(array_api_compat.array_namespace(tq), tq.dtype),
-    )
+    tmask = None if attn_mask is None else _to_torch(attn_mask)
     with torch.cuda.device(tq.device):
-        out = torch_adapter.run_fused(tcall, tq, tk, tv, tmask, tbias)
+        out = torch_adapter.sdpa(call, tq, tk, tv, tmask, is_causal)
     return cupy.from_dlpack(out)
 
 
@@ -80,3 +71,32 @@ def _to_torch(x: Any) -> Any:
     if any(stride < 0 for stride in x.strides):
         x = cupy.ascontiguousarray(x)
     return torch.from_dlpack(x)
+
+
+class SdpaViaDlpack(Kernel):
+    """torch SDPA on the CuPy arrays' GPU through DLPack."""
+
+    path = "fused:cupy-via-torch"
+    why = "torch SDPA on the same GPU through DLPack (no copies) covers this call"
+
+    def reason(self, call: _spec.Call) -> str | None:
+        return _fused_reason(call)
+
+    def run(
+        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    ) -> tuple[Any, Any, Any]:
+        return _run_fused(call, q, k, v, mask, bias), None, None
+
+
+class CupyAdapter(Adapter):
+    """CuPy: SDPA through DLPack where torch has CUDA, dropout from CuPy's generators."""
+
+    name = NAME
+    rng = RNG
+    fused = SdpaViaDlpack()
+
+    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
+        return _keep_mask(rng, p, device)
+
+
+ADAPTER = CupyAdapter()

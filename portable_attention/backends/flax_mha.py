@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from portable_attention import _validate, mha
+from portable_attention import _checks, mha
 
 __all__ = ["MultiHeadAttention"]
 
@@ -54,7 +54,7 @@ class MultiHeadAttention(nnx.Module):
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.dropout = _validate.check_dropout(dropout)
+        self.dropout = _checks.check_dropout(dropout)
         self.deterministic = False  # nnx's .eval() / .train() set this
         self.rngs = rngs
         params = mha.init_params(
@@ -94,7 +94,7 @@ class MultiHeadAttention(nnx.Module):
         p = 0.0 if self.deterministic else self.dropout
         if p > 0 and rng is None:
             if self.rngs is None:
-                raise _validate.flax_dropout_key_error()
+                raise _flax_dropout_key_error()
             rng = self.rngs.dropout()
         return mha.multi_head_attention(
             self.params(),
@@ -118,9 +118,22 @@ class MultiHeadAttention(nnx.Module):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load portable-format arrays of any framework (converted through NumPy/DLPack)."""
-        _validate.check_state_keys(state, self.names)
+        _checks.check_state_keys(state, self.names)
         for name in self.names:
             param = getattr(self, name)
             new = jnp.asarray(mha.host_array(state[name]), dtype=param[...].dtype)
-            _validate.check_state_shape(name, tuple(new.shape), tuple(param[...].shape))
+            _checks.check_state_shape(name, tuple(new.shape), tuple(param[...].shape))
             param[...] = new
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def _flax_dropout_key_error() -> ValueError:
+    """The Flax module in training mode with ``dropout > 0`` and no key to draw from."""
+    msg = (
+        "`dropout` > 0 in training mode needs JAX keys: build the module with "
+        "`rngs=nnx.Rngs(dropout=0)`, pass `rng=jax.random.key(...)` to the call, or call "
+        "`.eval()` to turn dropout off."
+    )
+    return ValueError(msg)

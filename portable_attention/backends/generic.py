@@ -6,19 +6,32 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention import _validate
+from portable_attention import _spec
+from portable_attention._core import KeepMask
+from portable_attention.backends._base import Adapter
 
-RNG = "a numpy.random.Generator (e.g. `numpy.random.default_rng(0)`)"
 
-
-def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
+def numpy_keep_mask(framework: str, rng_text: str, rng: Any, p: float, xp: Any, device: Any) -> Any:
     """Keep mask drawn with a NumPy Generator, converted to ``xp`` on ``device``."""
     if rng is None:
         rng = np.random.default_rng()
     if not isinstance(rng, np.random.Generator):
-        raise _validate.rng_type_error(xp.__name__, RNG, rng)
+        raise _spec.rng_type_error(framework, rng_text, rng)
 
     def draw(shape: tuple[int, ...]) -> Any:
         return xp.asarray(rng.random(shape, dtype=np.float32) >= p, device=device)
 
     return draw
+
+
+class GenericAdapter(Adapter):
+    """An array-API library with nothing of its own: the portable path, NumPy's RNG."""
+
+    name = "array-API"
+    rng = "a numpy.random.Generator (e.g. `numpy.random.default_rng(0)`)"
+
+    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
+        return numpy_keep_mask(xp.__name__, self.rng, rng, p, xp, device)
+
+
+ADAPTER = GenericAdapter()

@@ -3,7 +3,6 @@ which is required (JAX has no global RNG)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -11,29 +10,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from portable_attention import _core, _validate
+from portable_attention import _core, _spec
+from portable_attention._core import KeepMask
+from portable_attention.backends._base import Adapter, Kernel
 
 NAME = "JAX"
-PATH = "fused:jax"
 RNG = "a JAX PRNG key (`jax.random.key(0)` or `jax.random.PRNGKey(0)`)"
-FUSED_WHY = "jax.nn.dot_product_attention covers every option of this call"
-NATIVE_PATH = "native:jax"
+#: From this many query rows on, the native kernel splits the queries into blocks.
+LONG_QUERIES = 512
 #: Query rows per block of the native kernel (256 measured best of 128/256/512 at L=2048);
 #: it runs from two blocks on.
-_BLOCK_ROWS = _validate.LONG_QUERIES // 2
-NATIVE_WHY = (
-    f"the portable dense path runs on blocks of {_BLOCK_ROWS} queries in a lax.map, so each "
-    "block's scores stay in cache (on CPU, measured about 2x the unblocked dense path at L=2048)"
-)
+_BLOCK_ROWS = LONG_QUERIES // 2
 
 
 def _scores(q: Any, k: Any) -> Any:
     """``q @ k^T`` as one dot_general: XLA's CPU backend ran ``matmul(q, swapaxes(k))``
     2x slower for one query (the transposed copy), 1.2x at 128 queries."""
     return jnp.einsum("...qd,...kd->...qk", q, k)
-
-
-_core.SCORES["jax"] = _scores
 
 
 def _is_key(rng: Any) -> bool:
@@ -48,12 +41,12 @@ def _is_key(rng: Any) -> bool:
 _BLOCK_STREAM = 0x7A11_B10C
 
 
-def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
+def _keep_mask(rng: Any, p: float) -> Any:
     """Keep mask from ``jax.random.bernoulli``; jit-, vmap- and grad-safe."""
     if rng is None:
-        raise _validate.missing_rng_error(NAME, RNG)
+        raise _spec.missing_rng_error(NAME, RNG)
     if not _is_key(rng):
-        raise _validate.rng_type_error(NAME, RNG, rng)
+        raise _spec.rng_type_error(NAME, RNG, rng)
 
     draws = 0
 
@@ -72,14 +65,14 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     return draw
 
 
-def _platform(call: _validate.Call) -> str:
+def _platform(call: _spec.Call) -> str:
     """The platform the arrays live on (the default backend for traced arrays)."""
     device = call.device
     platform = getattr(device, "platform", None)
     return platform if isinstance(platform, str) else jax.default_backend()
 
 
-def fused_reason(call: _validate.Call) -> str | None:
+def _fused_reason(call: _spec.Call) -> str | None:
     """Why ``jax.nn.dot_product_attention`` cannot give the contract's answer (None: it can)."""
     if call.return_weights:
         return "return_weights needs the probabilities, which jax.nn does not return"
@@ -105,7 +98,7 @@ def fused_reason(call: _validate.Call) -> str | None:
     return None
 
 
-def portable_preferred(call: _validate.Call) -> str | None:
+def _portable_preferred(call: _spec.Call) -> str | None:
     """Why ``auto`` takes the portable path although jax.nn could run (None: it does not)."""
     if _platform(call) == "cpu":
         return (
@@ -116,7 +109,7 @@ def portable_preferred(call: _validate.Call) -> str | None:
 
 
 def _cudnn_qualifies(
-    call: _validate.Call, allowed: Any, bias: Any, window: tuple[int, int] | None
+    call: _spec.Call, allowed: Any, bias: Any, window: tuple[int, int] | None
 ) -> bool:
     """cuDNN's fused kernel: half precision on an NVIDIA GPU, head size a multiple of 8 up
     to 128, no mask or bias to pass, keys and queries present, and a window only with
@@ -135,7 +128,7 @@ def _cudnn_qualifies(
     )
 
 
-def _local_window(call: _validate.Call, mask: Any, bias: Any) -> tuple[int, int] | None:
+def _local_window(call: _spec.Call, mask: Any, bias: Any) -> tuple[int, int] | None:
     """``window`` as jax.nn's ``local_window_size`` where that alone is exact (else None:
     the window goes into the boolean mask).
 
@@ -170,7 +163,7 @@ def _scores_operand(x: Any, lead: tuple[int, ...], batch: int) -> Any:
     return jnp.reshape(jnp.broadcast_to(x, (*lead, *tail)), (batch, *tail))
 
 
-def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
+def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
     """``out`` from jax.nn; rows with no key give 0 (jax.nn's mean(V) is replaced)."""
     lead = call.q_shape[:-3]
     batch = math.prod(lead)
@@ -204,17 +197,15 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     return jnp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1]))
 
 
-def native_reason(call: _validate.Call) -> str | None:
+def _native_reason(call: _spec.Call) -> str | None:
     """Why the query-blocked kernel does not take ``call`` (None: it does)."""
     if _platform(call) != "cpu":
         return "query blocking in a lax.map is measured faster on CPU only"
     if call.dropout > 0:
         return "dropout draws one keep mask for the whole score matrix"
-    if call.q_shape[-2] < _validate.LONG_QUERIES or call.k_shape[-2] == 0:
-        return f"under {_validate.LONG_QUERIES} queries (or no keys) blocks do not pay"
-    from portable_attention._plan import DENSE_LIMIT_BYTES, dense_bytes
-
-    if dense_bytes(call) > DENSE_LIMIT_BYTES:
+    if call.q_shape[-2] < LONG_QUERIES or call.k_shape[-2] == 0:
+        return f"under {LONG_QUERIES} queries (or no keys) blocks do not pay"
+    if _core.dense_bytes(call) > _core.DENSE_LIMIT_BYTES:
         return "the whole mask would be large: the chunked path blocks keys too"
     return None
 
@@ -226,68 +217,50 @@ def _rows(x: Any, start: Any, size: int, lq: int) -> Any:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 2)
 
 
-#: The jitted blocked kernel of each call (a Call is hashable): traced afresh, the
-#: ``lax.map`` closure was compiled again on every eager call (540 ms against 7 ms).
-_native_kernels: dict[_validate.Call, Any] = {}
+@functools.lru_cache(maxsize=64)
+def _native_kernel(call: _spec.Call) -> Any:
+    """The jitted blocked kernel of a call (a Call is hashable): traced afresh, the
+    ``lax.map`` closure was compiled again on every eager call (540 ms against 7 ms)."""
+    return jax.jit(functools.partial(_blocked, call))
 
 
-def run_native(
-    call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+def _run_native(
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
 ) -> tuple[Any, Any, Any]:
     """``_core.dense`` on blocks of ``_BLOCK_ROWS`` queries in a ``lax.map`` (then the
     remaining rows): same results, scores of one block at a time. jit/vmap/grad-safe;
     compiled once per call signature when called eagerly. No dropout reaches it."""
-    kernel = _native_kernels.get(call)
-    if kernel is None:
-        if len(_native_kernels) >= 64:
-            _native_kernels.clear()
-        kernel = _native_kernels[call] = jax.jit(functools.partial(_blocked, call))
-    return kernel(q, k, v, mask, bias)
+    return _native_kernel(call)(q, k, v, mask, bias)
 
 
 def _blocked(
-    call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
 ) -> tuple[Any, Any, Any]:
     """:func:`run_native`'s computation."""
     lq, rows = call.q_shape[-2], _BLOCK_ROWS
     # causal/window become one mask up front: a block's offset is traced inside the map.
-    allowed = _core.structural_mask(call, device=call.device)
-    if mask is not None:
-        allowed = mask if allowed is None else (mask & allowed)
-
-    def block_call(n: int) -> _validate.Call:
-        def with_rows(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
-            if shape is None or len(shape) < 2 or shape[-2] != lq:
-                return shape
-            return (*shape[:-2], n, shape[-1])
-
-        return dataclasses.replace(
-            call,
-            q_shape=(*call.q_shape[:-2], n, call.q_shape[-1]),
-            mask_shape=None if allowed is None else with_rows(tuple(allowed.shape)),
-            bias_shape=with_rows(call.bias_shape),
-            causal=None,
-            window=None,
-        )
-
+    allowed = _core.allowed(call, mask)
     blocks = lq // rows
-    full = block_call(rows)
+
+    def dense_rows(qb: Any, start: Any, n: int, guarded: bool | None) -> tuple[Any, Any, Any]:
+        return _core.dense(
+            call,
+            qb,
+            k,
+            v,
+            _rows(allowed, start, n, lq),
+            _rows(bias, start, n, lq),
+            scores=_scores,
+            guarded=guarded,
+            band=False,
+        )
 
     def one(i: Any) -> tuple[Any, Any, Any]:
         start = i * rows
         qb = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=q.ndim - 2)
         # The guarded softmax measured faster inside the map on XLA's CPU backend,
         # [4, 8, 512, 64]: 32 ms vs 40 ms without the guards (jax 0.10).
-        out, weights, lse = _core.dense(
-            full,
-            qb,
-            k,
-            v,
-            _rows(allowed, start, rows, lq),
-            _rows(bias, start, rows, lq),
-            guarded=True,
-        )
-        return out, weights, lse
+        return dense_rows(qb, start, rows, True)
 
     mapped = jax.lax.map(one, jnp.arange(blocks))
     # [blocks, ..., rows, X] -> [..., blocks * rows, X]; lse [blocks, ..., rows] likewise.
@@ -297,14 +270,8 @@ def _blocked(
     )
     if lq % rows:
         done = blocks * rows
-        tail = _core.dense(
-            block_call(lq - done),
-            q[..., done:, :],
-            k,
-            v,
-            _rows(allowed, done, lq - done, lq),
-            _rows(bias, done, lq - done, lq),
-        )
+        guarded = None if allowed is None and bias is None else True
+        tail = dense_rows(q[..., done:, :], done, lq - done, guarded)
         out, weights, lse = (
             None if x is None else jnp.concatenate([x, t], axis=axis + 1)
             for x, t, axis in zip((out, weights, lse), tail, (-3, -3, -2), strict=True)
@@ -319,3 +286,58 @@ def _unblock(x: Any, axis: int) -> Any:
     return jnp.reshape(
         x, (*shape[: x.ndim + axis], shape[axis] * shape[axis + 1], *shape[x.ndim + axis + 2 :])
     )
+
+
+class DotProductAttention(Kernel):
+    """``jax.nn.dot_product_attention`` (cuDNN on GPU where it qualifies)."""
+
+    path = "fused:jax"
+    why = "jax.nn.dot_product_attention covers every option of this call"
+
+    def reason(self, call: _spec.Call) -> str | None:
+        return _fused_reason(call)
+
+    def auto_reason(self, call: _spec.Call) -> str | None:
+        return _portable_preferred(call)
+
+    def run(
+        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    ) -> tuple[Any, Any, Any]:
+        return _run_fused(call, q, k, v, mask, bias), None, None
+
+
+class QueryBlocks(Kernel):
+    """The portable dense path on query blocks under ``lax.map`` (JAX on CPU)."""
+
+    path = "native:jax"
+    why = (
+        f"the portable dense path runs on blocks of {_BLOCK_ROWS} queries in a lax.map, so "
+        "each block's scores stay in cache (on CPU, measured about 2x the unblocked dense "
+        "path at L=2048)"
+    )
+
+    def reason(self, call: _spec.Call) -> str | None:
+        return _native_reason(call)
+
+    def run(
+        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    ) -> tuple[Any, Any, Any]:
+        return _run_native(call, q, k, v, mask, bias, keep)
+
+
+class JaxAdapter(Adapter):
+    """JAX: jax.nn's kernel, query blocks on CPU, an einsum for the scores, PRNG keys."""
+
+    name = NAME
+    rng = RNG
+    fused = DotProductAttention()
+    native = QueryBlocks()
+
+    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
+        return _keep_mask(rng, p)
+
+    def scores(self, xp: Any) -> Any:
+        return _scores
+
+
+ADAPTER = JaxAdapter()

@@ -24,6 +24,7 @@ Only arrays it allocated itself are written: inputs are never modified.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -34,13 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention import _core, _validate
-from portable_attention.backends.generic import RNG, keep_mask
-
-__all__ = ["NATIVE_PATH", "RNG", "keep_mask", "native_reason", "run_native"]
-
-NATIVE_PATH = "native:numpy"
-NATIVE_WHY = "the NumPy-native blocked kernel runs (in-place softmax, blocks of queries)"
+from portable_attention import _core, _spec
+from portable_attention._core import KeepMask
+from portable_attention.backends._base import Adapter, Kernel
+from portable_attention.backends.generic import numpy_keep_mask
 
 #: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
 #: blocks measured faster here (L=16384: 7.3 s at 4M scores per block, 15.4 s at 1M).
@@ -50,12 +48,6 @@ _THREADS_MIN_ELEMENTS = 1 << 22
 _WORKERS = max(1, min(4, os.cpu_count() or 1))  # this thread and _WORKERS - 1 in the pool
 _pool: ThreadPoolExecutor | None = None
 _blas: Any = None  # threadpoolctl's BLAS controllers, False when it is not installed
-
-
-def native_reason(call: _validate.Call) -> str | None:
-    """Why the native kernel does not take ``call`` (None: it does). It takes every call
-    that reaches it: ``chunk_size`` is decided before any backend is asked."""
-    return None
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -149,8 +141,39 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class BlockedKernel(Kernel):
+    """The NumPy-native blocked kernel (NumPy has no fused attention)."""
+
+    path = "native:numpy"
+    why = "the NumPy-native blocked kernel runs (in-place softmax, blocks of queries)"
+
+    def reason(self, call: _spec.Call) -> str | None:
+        """It takes every call that reaches it: ``chunk_size`` is decided before any
+        backend is asked."""
+        return None
+
+    def run(
+        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    ) -> tuple[Any, Any, Any]:
+        return run_native(call, q, k, v, mask, bias, keep)
+
+
+class NumpyAdapter(Adapter):
+    """NumPy: the blocked kernel, and dropout from a ``numpy.random.Generator``."""
+
+    name = "NumPy"
+    rng = "a numpy.random.Generator (e.g. `numpy.random.default_rng(0)`)"
+    native = BlockedKernel()
+
+    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
+        return numpy_keep_mask(xp.__name__, self.rng, rng, p, xp, device)
+
+
+ADAPTER = NumpyAdapter()
+
+
 def run_native(
-    call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
 ) -> tuple[Any, Any, Any]:
     """``(out, weights or None, lse or None)`` with the contract of ``_core.dense``."""
     if call.k_shape[-2] == 0:
@@ -200,7 +223,7 @@ def run_native(
 
 
 def _block(
-    call: _validate.Call,
+    call: _spec.Call,
     ops: Any,
     rows: tuple[int, int],
     keep: Any,
@@ -220,12 +243,20 @@ def _block(
     Blocks whose mask leaves a row empty, and dropout (a second try would draw its
     keep-mask twice), subtract the max from the start.
     """
-    lk = call.k_shape[-2]
-    cols = (0, lk)
     r = slice(*rows)
+    # Only the keys causal/window leave to these rows (all of them with dropout: the
+    # keep-mask is drawn for the whole row, as on the dense path).
+    cols = (0, call.k_shape[-2]) if keep is not None else _core.key_span(call, rows)
+    lk = cols[1] - cols[0]
+    if lk == 0:  # no row of the block has a key
+        _empty_rows(out, weights, lse, r)
+        return
+    narrow = lk != call.k_shape[-2]
+    kb = ops.k[..., cols[0] : cols[1], :] if narrow else ops.k
+    vb = ops.v[..., cols[0] : cols[1], :] if narrow else ops.v
     qb = ops.q if rows[1] - rows[0] == call.q_shape[-2] else ops.q[..., r, :]
     dtype = qb.dtype
-    s = np.matmul(qb, np.swapaxes(ops.k, -1, -2), out=_scratch(0, (*qb.shape[:-1], lk), dtype))
+    s = np.matmul(qb, np.swapaxes(kb, -1, -2), out=_scratch(0, (*qb.shape[:-1], lk), dtype))
     base2 = _base2(call)
     if call.softcap is not None:  # tanh of the scores in natural units, then back to s's
         np.multiply(s, (_LN2 if base2 else 1.0) / call.softcap, out=s)
@@ -233,10 +264,7 @@ def _block(
         np.multiply(s, call.softcap * (_LOG2E if base2 else 1.0), out=s)
     if ops.bias is not None:
         np.add(s, _core.block_of(ops.bias, rows, cols), out=s)
-    allowed = _core.structural_mask(call, rows=rows, cols=cols)
-    if ops.mask is not None:
-        user = _core.block_of(ops.mask, rows, cols)
-        allowed = user if allowed is None else (user & allowed)
+    allowed = _core.allowed(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
     if allowed is not None:
         np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
         # A row with no key would fail the row sums' check: go straight to the max pass
@@ -258,8 +286,8 @@ def _block(
         # Row sums as a matrix-vector product: 11 us for [8, 128, 128], s.sum(-1) took 41.
         total = np.matmul(s, _ones(lk, dtype))
         if keep is None:
-            sum_shape = (*s.shape[:-1], ops.v.shape[-1])
-            block_sum = np.matmul(s, ops.v, out=_scratch(1, sum_shape, dtype))
+            sum_shape = (*s.shape[:-1], vb.shape[-1])
+            block_sum = np.matmul(s, vb, out=_scratch(1, sum_shape, dtype))
     if m is None and not _sums_in_range(total, block_sum):
         _block(call, ops, rows, keep, out, weights, lse, row_max=True)
         return
@@ -267,11 +295,14 @@ def _block(
     if has_key is not None:
         total[~has_key] = 1.0
     if weights is not None:
-        np.divide(s, total, out=weights[..., r, :])
+        if narrow:
+            weights[..., r, : cols[0]] = 0
+            weights[..., r, cols[1] :] = 0
+        np.divide(s, total, out=weights[..., r, cols[0] : cols[1]])
     if keep is not None:
         np.multiply(s, keep(s.shape), out=s)
         np.multiply(s, 1.0 / (1.0 - call.dropout), out=s)
-        block_sum = np.matmul(s, ops.v)
+        block_sum = np.matmul(s, vb)
     np.divide(block_sum, total, out=out[..., r, :])
     if lse is not None:
         block_lse = np.log(total)
@@ -282,12 +313,21 @@ def _block(
         lse[..., r] = block_lse[..., 0]
 
 
+def _empty_rows(out: Any, weights: Any, lse: Any, r: slice) -> None:
+    """Rows with no key: out 0, weights 0, lse -inf (the contract's empty rows)."""
+    out[..., r, :] = 0
+    if weights is not None:
+        weights[..., r, :] = 0
+    if lse is not None:
+        lse[..., r] = -np.inf
+
+
 _LOG2E = 1.0 / math.log(2.0)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _LN2 = math.log(2.0)
 
 
-def _base2(call: _validate.Call) -> bool:
+def _base2(call: _spec.Call) -> bool:
     """Whether the kernel takes scores in units of log2: ``scale * log2(e)`` folded into
     q, then ``exp2``, which took 37 us where ``exp`` took 59 at [8, 128, 128] float32.
 
@@ -321,34 +361,23 @@ def _sums_in_range(total: Any, block_sum: Any) -> bool:
     return bool(np.isfinite(block_sum).all())
 
 
-_RANGES: dict[Any, tuple[Any, Any]] = {}
-
-
+@functools.lru_cache(maxsize=16)
 def _range(dtype: Any) -> tuple[Any, Any]:
     """``(sqrt(tiny), max)`` of a floating dtype, as scalars of that dtype (longdouble's
     tiny is 0 as a Python float)."""
-    bounds = _RANGES.get(dtype)
-    if bounds is None:
-        info = np.finfo(dtype)
-        bounds = _RANGES[dtype] = (np.sqrt(info.tiny), info.max)
-    return bounds
+    info = np.finfo(dtype)
+    return np.sqrt(info.tiny), info.max
 
 
 _local = threading.local()
 _SCRATCH_MAX_BYTES = 1 << 22
-_ones_cache: dict[tuple[int, Any], Any] = {}
 
 
+@functools.lru_cache(maxsize=64)
 def _ones(n: int, dtype: Any) -> Any:
     """A read-only ``[n, 1]`` column of ones (cached: decode calls ask for it each step)."""
-    key = (n, dtype)
-    ones = _ones_cache.get(key)
-    if ones is None:
-        if len(_ones_cache) >= 64:
-            _ones_cache.clear()
-        ones = np.ones((n, 1), dtype=dtype)
-        ones.flags.writeable = False
-        _ones_cache[key] = ones
+    ones = np.ones((n, 1), dtype=dtype)
+    ones.flags.writeable = False
     return ones
 
 

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_attention import _core, _validate
+from portable_attention import _core, _spec
+from portable_attention._core import KeepMask
+from portable_attention.backends._base import Adapter, Kernel
 
 NAME = "torch"
-PATH = "fused:torch"
 RNG = "a torch.Generator on the arrays' device (or None for torch's global RNG)"
 
 _VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -21,12 +22,12 @@ _HAS_GQA = _VERSION >= (2, 5)
 _GQA_KWARGS: dict[bool, dict[str, bool]] = {True: {"enable_gqa": True}, False: {}}
 
 
-def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
+def _keep_mask(rng: Any, p: float, device: Any) -> Any:
     """Keep mask drawn with ``torch.rand`` on ``device`` from ``rng``."""
     if rng is not None and not isinstance(rng, torch.Generator):
-        raise _validate.rng_type_error(NAME, RNG, rng)
+        raise _spec.rng_type_error(NAME, RNG, rng)
     if rng is not None and torch.device(rng.device).type != torch.device(device).type:
-        raise _validate.rng_device_error(rng.device, device)
+        raise _spec.rng_device_error(rng.device, device)
 
     def draw(shape: tuple[int, ...]) -> Any:
         return torch.rand(shape, generator=rng, device=device) >= p
@@ -34,7 +35,7 @@ def keep_mask(rng: Any, p: float, xp: Any, device: Any) -> Any:
     return draw
 
 
-def fused_reason(call: _validate.Call) -> str | None:
+def fused_reason(call: _spec.Call) -> str | None:
     """Why SDPA cannot give the contract's answer for ``call`` (None: it can)."""
     if call.return_weights:
         return "return_weights needs the probabilities, which SDPA does not return"
@@ -54,18 +55,11 @@ def fused_reason(call: _validate.Call) -> str | None:
     return None
 
 
-def _sdpa_mask(call: _validate.Call, mask: Any, bias: Any) -> tuple[Any, bool]:
-    """SDPA's single ``attn_mask`` (bool or additive) and ``is_causal`` for ``call``."""
-    allowed, is_causal = _core.kernel_mask(call, mask, bias)
-    if bias is None or allowed is None:
-        return (allowed if bias is None else bias), is_causal
-    return torch.where(allowed, bias, float("-inf")), False
-
-
-def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
-    """``out`` from SDPA; rows with no key give 0 (SDPA's safe softmax on CPU, forced
-    elsewhere)."""
-    attn_mask, is_causal = _sdpa_mask(call, mask, bias)
+def sdpa(call: _spec.Call, q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) -> Any:
+    """``out`` from SDPA with the operand of ``_core.kernel_operand`` (converted to torch
+    by the caller); rows with no key give 0 (SDPA's safe softmax on CPU, forced elsewhere).
+    Reads only ``scale``, ``dropout`` and ``grouped`` of ``call``: CuPy arrays come here
+    through DLPack."""
     if attn_mask is not None and attn_mask.ndim < 2:
         attn_mask = attn_mask.reshape(1, -1)  # SDPA wants [Lq|1, Lk] at least
     out = F.scaled_dot_product_attention(
@@ -85,7 +79,7 @@ def run_fused(call: _validate.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
     return out
 
 
-def prepare_fused(call: _validate.Call) -> Callable[[Any, Any, Any], Any] | None:
+def _prepare(call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
     """SDPA of ``(q, k, v)`` with the rest of ``call`` bound, where no mask is needed (no
     mask, bias or window; causal only where SDPA's own flag is exact); else None."""
     if call.mask_shape is not None or call.bias_shape is not None:
@@ -100,11 +94,43 @@ def prepare_fused(call: _validate.Call) -> Callable[[Any, Any, Any], Any] | None
         bound["dropout_p"] = call.dropout
     if is_causal:
         bound["is_causal"] = True
-    if call.scale != _validate.default_scale(call.q_shape[-1]):
+    if call.scale != _spec.default_scale(call.q_shape[-1]):
         bound["scale"] = call.scale
     if not bound:  # SDPA itself: one Python call less than a partial of nothing
         return F.scaled_dot_product_attention
     return functools.partial(F.scaled_dot_product_attention, **bound)
 
 
-FUSED_WHY = "torch.nn.functional.scaled_dot_product_attention covers every option of this call"
+class ScaledDotProductAttention(Kernel):
+    """``torch.nn.functional.scaled_dot_product_attention``."""
+
+    path = "fused:torch"
+    why = "torch.nn.functional.scaled_dot_product_attention covers every option of this call"
+
+    def reason(self, call: _spec.Call) -> str | None:
+        return fused_reason(call)
+
+    def run(
+        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    ) -> tuple[Any, Any, Any]:
+        return sdpa(call, q, k, v, *_core.kernel_operand(call, mask, bias)), None, None
+
+    def prepare(self, call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
+        return _prepare(call)
+
+
+class TorchAdapter(Adapter):
+    """PyTorch: SDPA, and dropout from a ``torch.Generator``."""
+
+    name = NAME
+    rng = RNG
+    fused = ScaledDotProductAttention()
+
+    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
+        return _keep_mask(rng, p, device)
+
+    def tracing(self) -> bool:
+        return bool(torch.compiler.is_compiling())
+
+
+ADAPTER = TorchAdapter()

@@ -48,7 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from portable_attention import _validate
+from portable_attention import _checks
+from portable_attention._checks import type_name
 from portable_attention._convert import to_backend
 from portable_attention.mha import BIASES, WEIGHTS, init_params, multi_head_attention
 
@@ -104,7 +105,7 @@ class MultiHeadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
         self.bias = bias
-        self.dropout = _validate.check_dropout(dropout)
+        self.dropout = _checks.check_dropout(dropout)
         self.batch_first = batch_first
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
@@ -220,8 +221,8 @@ class MultiHeadAttention(nn.Module):
         seq_axis = 0 if unbatched or not batch_first else 1
         for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
-                raise _validate.torch_mask_dtype_error(name, m.dtype)
-        _validate.check_torch_attn_mask_shapes(  # the shapes as passed, in torch's terms
+                raise _torch_mask_dtype_error(name, m.dtype)
+        _check_torch_attn_mask_shapes(  # the shapes as passed, in torch's terms
             key_padding_mask,
             attn_mask,
             None if unbatched else query.shape[1 - seq_axis],
@@ -288,12 +289,12 @@ class MultiHeadAttention(nn.Module):
         """Copy ``state`` (portable keys; NumPy, torch, JAX, ... arrays) into the parameters,
         cast to their dtype and device. Keys and shapes must match."""
         params = self.params()
-        _validate.check_state_keys(state, params)
+        _checks.check_state_keys(state, params)
         with torch.no_grad():
             for name, p in params.items():
                 src = state[name]  # any framework's array: bfloat16 and JAX arrays included
                 t = src if isinstance(src, torch.Tensor) else to_backend(src, "torch")
-                _validate.check_state_shape(name, tuple(t.shape), tuple(p.shape))
+                _checks.check_state_shape(name, tuple(t.shape), tuple(p.shape))
                 p.copy_(t)
 
     # -- torch.nn.MultiheadAttention interop ------------------------------------------------
@@ -306,8 +307,8 @@ class MultiHeadAttention(nn.Module):
         ``torch_compat=True`` returns a :class:`TorchCompatMultiHeadAttention` (torch's
         ``forward`` signature: a drop-in replacement).
         """
-        _validate.check_is_torch_mha(m, nn.MultiheadAttention)
-        _validate.check_torch_mha_extras(
+        _check_is_torch_mha(m, nn.MultiheadAttention)
+        _check_torch_mha_extras(
             m.bias_k is not None or m.bias_v is not None or bool(m.add_zero_attn)
         )
         if m._qkv_same_embed_dim:
@@ -339,7 +340,7 @@ class MultiHeadAttention(nn.Module):
     def to_torch(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with these weights (same dropout, batch_first and
         training mode). Needs ``num_kv_heads == num_heads`` (torch has no grouped heads)."""
-        _validate.check_no_grouped_heads(self.num_kv_heads, self.num_heads)
+        _check_no_grouped_heads(self.num_kv_heads, self.num_heads)
         p = self.params()
         w_q = p["w_q"]
         m = nn.MultiheadAttention(
@@ -407,3 +408,65 @@ class TorchCompatMultiHeadAttention(MultiHeadAttention):
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.torch_compat_forward(*args, **kwargs)
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def _check_torch_attn_mask_shapes(
+    key_padding_mask: Any, attn_mask: Any, batch: int | None, heads: int, lq: int, lk: int
+) -> None:
+    """``torch_compat_forward``'s masks, in torch's names and shapes: ``key_padding_mask
+    [B, Lk]``, ``attn_mask [Lq, Lk]`` or ``[B * H, Lq, Lk]``; unbatched inputs
+    (``batch=None``) take ``[Lk]`` and ``[Lq, Lk]`` or ``[H, Lq, Lk]``."""
+    kpm_shape, kpm_text = ((lk,), "[Lk]") if batch is None else ((batch, lk), "[B, Lk]")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != kpm_shape:
+        msg = (
+            f"`key_padding_mask` must be {kpm_text} = {kpm_shape}, got shape "
+            f"{tuple(key_padding_mask.shape)}"
+        )
+        raise ValueError(msg)
+    stacked, stacked_text = (
+        ((heads, lq, lk), "[num_heads, Lq, Lk]")
+        if batch is None
+        else ((batch * heads, lq, lk), "[B * num_heads, Lq, Lk]")
+    )
+    if attn_mask is not None and tuple(attn_mask.shape) not in ((lq, lk), stacked):
+        msg = (
+            f"`attn_mask` must be [Lq, Lk] = {(lq, lk)} or {stacked_text} = {stacked}, "
+            f"got shape {tuple(attn_mask.shape)}"
+        )
+        raise ValueError(msg)
+
+
+def _check_is_torch_mha(m: object, torch_mha: type) -> None:
+    """``from_torch``: an ``nn.MultiheadAttention`` (or a subclass)."""
+    if not isinstance(m, torch_mha):
+        msg = f"`m` must be a torch.nn.MultiheadAttention, got {type_name(m)}"
+        raise TypeError(msg)
+
+
+def _check_torch_mha_extras(uses_extras: bool) -> None:
+    """``from_torch``: an ``nn.MultiheadAttention`` without add_bias_kv / add_zero_attn."""
+    if uses_extras:
+        msg = "`m` uses add_bias_kv or add_zero_attn, which this module does not support"
+        raise ValueError(msg)
+
+
+def _check_no_grouped_heads(num_kv_heads: int, num_heads: int) -> None:
+    """``to_torch``: nn.MultiheadAttention has no grouped-query heads."""
+    if num_kv_heads != num_heads:
+        msg = (
+            f"`num_kv_heads`={num_kv_heads} != `num_heads`={num_heads}: "
+            "nn.MultiheadAttention has no grouped-query heads"
+        )
+        raise ValueError(msg)
+
+
+def _torch_mask_dtype_error(name: str, dtype: Any) -> TypeError:
+    """``torch_compat_forward``: a mask neither boolean nor floating (torch refuses those)."""
+    msg = (
+        f"`{name}` must be boolean (torch's True = masked out) or floating (added to the "
+        f"scores), got dtype {dtype}; for a 0/1 mask where 1 = masked out pass `{name}.bool()`."
+    )
+    return TypeError(msg)

@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 
-from portable_attention import _validate
 from portable_attention._attention import attend
 
 __all__ = ["attention_forward", "register"]
@@ -173,7 +172,7 @@ def attention_forward(
         elif attention_mask.is_floating_point():
             bias = attention_mask
         else:
-            raise _validate.attention_mask_dtype_error(attention_mask.dtype)
+            raise _attention_mask_dtype_error(attention_mask.dtype)
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
     if bias is not None and bias.dtype not in (query.dtype, torch.float32):
@@ -202,20 +201,20 @@ def attention_forward(
 
 def _window(sliding_window: int, causal: bool, lq: int, lk: int) -> tuple[int, int] | None:
     """``window=`` for transformers' ``sliding_window`` when no mask came."""
-    _validate.check_sliding_window(sliding_window)
+    _check_sliding_window(sliding_window)
     if causal:
         # transformers keeps kv_idx > q_idx - w: w - 1 keys back and the query itself
         return (sliding_window - 1, 0)
     if max(lq, lk) <= sliding_window:
         return None  # no key is farther than the window on either side
-    raise _validate.bidirectional_window_error(sliding_window, lq, lk)
+    raise _bidirectional_window_error(sliding_window, lq, lk)
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:
     for name, value in kwargs.items():
         if value is None or name in IGNORED_KWARGS:
             continue
-        raise _validate.unsupported_kwarg_error(name, UNSUPPORTED_KWARGS.get(name))
+        raise _unsupported_kwarg_error(name, UNSUPPORTED_KWARGS.get(name))
 
 
 def register(name: str = "portable") -> str:
@@ -255,8 +254,8 @@ def register(name: str = "portable") -> str:
     try:
         import transformers
     except ImportError as exc:
-        raise _validate.transformers_missing_error() from exc
-    _validate.check_attn_implementation(name)
+        raise _transformers_missing_error() from exc
+    _check_attn_implementation(name)
     interface = getattr(transformers, "AttentionInterface", None)
     if interface is not None:
         interface.register(name, attention_forward)
@@ -271,3 +270,68 @@ def register(name: str = "portable") -> str:
     # the boolean mask builder transformers' own sdpa uses in this release
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return name
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+#: transformers' own attn_implementation names, which ``register`` must not replace.
+_TRANSFORMERS_BUILTIN = frozenset({"eager", "sdpa", "flex_attention", "paged|eager"})
+
+
+def _transformers_missing_error() -> ImportError:
+    """The error of ``register`` without transformers."""
+    msg = (
+        "`register` needs Hugging Face transformers (>= 4.48): "
+        "pip install 'portable-attention[transformers]'"
+    )
+    return ImportError(msg)
+
+
+def _check_attn_implementation(name: object) -> None:
+    """``name`` of ``register``: a new, non-empty string, none of transformers' own."""
+    if not isinstance(name, str) or not name or name in _TRANSFORMERS_BUILTIN or "flash" in name:
+        msg = (
+            f"`name` must be a new, non-empty attn_implementation string such as 'portable', "
+            f"got {name!r} (transformers' own implementations cannot be replaced)."
+        )
+        raise ValueError(msg)
+
+
+def _attention_mask_dtype_error(dtype: object) -> TypeError:
+    """The error for an ``attention_mask`` neither boolean nor floating."""
+    msg = (
+        f"`attention_mask` must be boolean (True = may attend) or an additive float "
+        f"mask, got dtype {dtype}; convert it with `.bool()` if its "
+        "nonzero entries mean 'attend'."
+    )
+    return TypeError(msg)
+
+
+def _check_sliding_window(sliding_window: object) -> None:
+    """transformers' ``sliding_window``: an int."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        msg = f"`sliding_window` must be an int, got {sliding_window!r}."
+        raise TypeError(msg)
+
+
+def _bidirectional_window_error(sliding_window: int, lq: int, lk: int) -> ValueError:
+    """The error for a sliding window without a mask on a bidirectional layer."""
+    msg = (
+        f"`sliding_window={sliding_window}` without an attention mask on a bidirectional "
+        f"layer (Lq={lq}, Lk={lk}) would cut keys, and its two-sided convention is "
+        "model-specific; pass the mask transformers builds (the registered mask function "
+        "does) or use attn_implementation='eager'."
+    )
+    return ValueError(msg)
+
+
+def _unsupported_kwarg_error(name: str, what: str | None) -> TypeError:
+    """The error for a keyword from transformers that would change the result: ``what`` it
+    does (None: a keyword the integration does not know)."""
+    about = "an option this integration does not know" if what is None else what
+    msg = (
+        f"portable_attention's transformers integration got `{name}` ({about}), which "
+        "would change the attention result but is not supported; use "
+        "attn_implementation='eager' (or 'sdpa') for this model."
+    )
+    return TypeError(msg)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from portable_attention import _validate
 from portable_attention._convert import (
     _check_name,
     _import,
@@ -69,7 +68,7 @@ def tolerance(dtype: Any) -> tuple[float, float]:
         return _TOLERANCES[name]
     if name in _EXACT:
         return (0.0, 0.0)
-    raise _validate.no_tolerance_error(dtype, [*_TOLERANCES, *_EXACT])
+    raise no_tolerance_error(dtype, [*_TOLERANCES, *_EXACT])
 
 
 # -- nested structures -------------------------------------------------------------------------
@@ -225,16 +224,16 @@ def _backend_names(backends: Iterable[str] | None) -> tuple[str, ...]:
     if backends is None:
         return available_backends()
     if isinstance(backends, str) or not isinstance(backends, Iterable):
-        raise _validate.backends_type_error(backends)
+        raise backends_type_error(backends)
     names = tuple(dict.fromkeys(backends))
     if not names:
-        raise _validate.no_backends_error()
+        raise no_backends_error()
     for name in names:
         try:
             _check_name(name)
             _import(name)
         except ValueError as err:
-            raise _validate.unusable_backend_error(name, err) from None
+            raise unusable_backend_error(name, err) from None
     return names
 
 
@@ -332,3 +331,35 @@ def assert_backends_agree(
             msg = f"backend {name!r} disagrees with {ref_name!r} on {where}: {reason}."
             raise AssertionError(msg)
     return results
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def no_tolerance_error(dtype: object, known: Sequence[str]) -> ValueError:
+    """The error of ``tolerance`` for a dtype without a default tolerance."""
+    msg = (
+        f"`dtype` {dtype!r} has no default tolerance (known: "
+        f"{', '.join(known)}); pass `rtol` and `atol` explicitly."
+    )
+    return ValueError(msg)
+
+
+def backends_type_error(backends: object) -> TypeError:
+    """The error for ``backends=`` that is not a sequence of names."""
+    msg = (
+        f"`backends` must be a sequence of backend names like ('numpy', 'torch'), got {backends!r}."
+    )
+    return TypeError(msg)
+
+
+def no_backends_error() -> ValueError:
+    """The error for an empty ``backends=``."""
+    msg = "`backends` is empty: name at least one backend, e.g. ('numpy', 'torch')."
+    return ValueError(msg)
+
+
+def unusable_backend_error(name: str, err: BaseException) -> ValueError:
+    """The error for a name in ``backends=`` that is unknown or does not import."""
+    msg = f"`backends` has {name!r}: {err}"
+    return ValueError(msg)

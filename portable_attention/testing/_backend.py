@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention import _validate
 from portable_attention._convert import (
     _check_name,
     _import,
@@ -97,4 +96,13 @@ def _numpy_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        raise _validate.dtype_name_error(name) from None
+        raise dtype_name_error(name) from None
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def dtype_name_error(name: object) -> ValueError:
+    """The error of ``ArrayBackend.asarray`` for a ``dtype`` that names no dtype."""
+    msg = f"`dtype` must be a dtype name like 'float32' or 'bfloat16', got {name!r}."
+    return ValueError(msg)

@@ -28,10 +28,10 @@ Which backends:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import pytest
 
-from portable_attention import _validate
 from portable_attention._convert import (
     BACKEND_NAMES,
     _check_name,
@@ -63,17 +63,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _select(raw: str, source: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
     if not names:
-        msg = _validate.no_backend_selected_message(source, raw, BACKEND_NAMES)
+        msg = _no_backend_selected_message(source, raw, BACKEND_NAMES)
         raise pytest.UsageError(msg)
     for name in names:
         try:
             _check_name(name)
             module = _import(name)
         except ValueError as err:
-            msg = _validate.unusable_backend_message(source, raw, name, err)
+            msg = _unusable_backend_message(source, raw, name, err)
             raise pytest.UsageError(msg) from None
         if name == "cupy" and not _cupy_has_gpu(module):
-            msg = _validate.cupy_without_gpu_message(source, raw)
+            msg = _cupy_without_gpu_message(source, raw)
             raise pytest.UsageError(msg)
     return names
 
@@ -114,6 +114,29 @@ def array_backend(request: pytest.FixtureRequest) -> ArrayBackend:
     """The array backend under test (parametrized over the selected backends)."""
     name = getattr(request, "param", None)
     if name is None:
-        msg = _validate.indirect_array_backend_message()
+        msg = _indirect_array_backend_message()
         raise pytest.UsageError(msg)
     return ArrayBackend(str(name))
+
+
+# -- argument checks and messages of this module ----------------------------------------
+
+
+def _no_backend_selected_message(source: str, raw: str, known: Sequence[str]) -> str:
+    """``--array-backends`` (or its variable, ``source``) naming no backend."""
+    return f"{source}={raw!r} names no backend; known: {', '.join(known)}."
+
+
+def _unusable_backend_message(source: str, raw: str, name: str, err: BaseException) -> str:
+    """A backend the selection asks for that is unknown or does not import."""
+    return f"{source}={raw!r} requests backend {name!r}, which is not usable: {err}"
+
+
+def _cupy_without_gpu_message(source: str, raw: str) -> str:
+    """The selection asks for cupy where CuPy finds no GPU."""
+    return f"{source}={raw!r} requests backend 'cupy', but CuPy finds no GPU here."
+
+
+def _indirect_array_backend_message() -> str:
+    """The ``array_backend`` fixture requested without the plugin's parametrization."""
+    return "`array_backend` is parametrized by the plugin; do not request it indirectly."

@@ -1,0 +1,120 @@
+"""Shared check primitives: argument types and values that many modules check alike."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import numpy as np
+
+
+def type_name(x: object) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def is_kind(xp: Any, dtype: Any, kind: str) -> bool | None:
+    """``xp.isdtype(dtype, kind)``; None for a dtype outside the standard (ml_dtypes'
+    bfloat16 or float8 on NumPy arrays, JAX key arrays), which the namespace refuses with
+    a TypeError of its own that names no argument."""
+    try:
+        return bool(xp.isdtype(dtype, kind))
+    except (TypeError, ValueError):
+        return None
+
+
+def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """NumPy's broadcast of two shapes (``numpy.broadcast_shapes``), or None where they
+    do not broadcast."""
+    try:
+        return tuple(np.broadcast_shapes(a, b))
+    except ValueError:  # "shape mismatch": the shapes do not broadcast
+        return None
+
+
+def broadcasts(small: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """``small`` broadcasts to ``target`` without changing it."""
+    return len(small) <= len(target) and broadcast_shape(small, target) == target
+
+
+def as_int(value: object) -> int | None:
+    """A Python int from an int-like option (NumPy integers too), None for anything else
+    (bools included: ``window=True`` is a mistake, not 1)."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def real_number(name: str, value: object) -> float:
+    if isinstance(value, (bool, str)):
+        msg = f"`{name}` must be a Python float, got {value!r} of type {type_name(value)}."
+        raise TypeError(msg)
+    if isinstance(value, (int, float)):  # first: torch.compile(dynamic=True) makes floats
+        return _as_float(value)  # symbolic, and cannot trace the getattr below on them
+    if getattr(value, "requires_grad", False):
+        msg = (
+            f"`{name}` must be a Python float, got a tensor that requires grad; its gradient "
+            "would be lost: multiply q (or the scores' inputs) by it instead."
+        )
+        raise TypeError(msg)
+    try:
+        return float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
+    except (TypeError, ValueError):
+        msg = f"`{name}` must be a Python float, got {value!r} of type {type_name(value)}."
+        if hasattr(value, "shape"):  # a traced or many-element array
+            msg += (
+                " Under jax.jit pass it as a static argument (`static_argnames`) or a "
+                "Python constant; a traced value cannot choose the computation."
+            )
+        raise TypeError(msg) from None
+
+
+def _as_float(value: float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range: as infinite as inf
+        return math.inf if value > 0 else -math.inf
+
+
+def flag(name: str, value: object) -> bool:
+    """``return_weights`` / ``return_lse``: True or False (NumPy's bool too), nothing else."""
+    if isinstance(value, bool) or is_numpy_bool(value):
+        return bool(value)
+    msg = f"`{name}` must be True or False, got {value!r} of type {type_name(value)}."
+    raise TypeError(msg)
+
+
+def is_numpy_bool(value: object) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def check_dropout(dropout: object, name: str = "dropout") -> float:
+    """A dropout probability in ``[0, 1)`` (of ``attend``, the multi-head modules and
+    ``mha.dropout``, whose argument is ``p``)."""
+    dropout_f = real_number(name, dropout)
+    if not 0.0 <= dropout_f < 1.0:
+        msg = f"`{name}` must be in [0, 1), got {dropout!r}."
+        raise ValueError(msg)
+    return dropout_f
+
+
+def check_state_keys(state: Any, expected: Any) -> None:
+    """The keys of a state to load (any iterable of names) are those of the parameters."""
+    if set(state) != set(expected):
+        msg = f"`state` keys {sorted(state)} != expected {sorted(expected)}"
+        raise ValueError(msg)
+
+
+def check_state_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    """One loaded parameter has the shape of the one it replaces."""
+    if shape != expected:
+        msg = f"`state[{name!r}]` has shape {shape}, expected {expected}"
+        raise ValueError(msg)

@@ -1,0 +1,508 @@
+"""The contract of ``attend``: the call's description (:class:`Call`) and its checks.
+
+:func:`validate_call` turns the raw arguments of :func:`portable_attention.attend` into a
+:class:`Call`: the array namespace, the shapes, dtypes and the normalised options. It
+looks only at shapes, dtypes, types and Python option values, never at array data, so
+it runs unchanged under ``jax.jit`` and ``torch.compile``. Every message names the
+argument, shows what was passed and says what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+from portable_attention._checks import (
+    as_int,
+    broadcasts,
+    check_dropout,
+    flag,
+    is_kind,
+    is_numpy_bool,
+    real_number,
+    shape_of,
+    type_name,
+)
+
+CAUSAL_ALIGNMENTS = ("lower_right", "upper_left")
+
+IMPLEMENTATIONS = ("auto", "portable", "fused")
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call of ``attend``: everything but the arrays themselves."""
+
+    xp: Any
+    backend: str
+    device: Any
+    dtype: Any
+    compute_dtype: Any
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    mask_shape: tuple[int, ...] | None
+    bias_shape: tuple[int, ...] | None
+    causal: str | None
+    window: tuple[int | None, int | None] | None
+    scale: float
+    softcap: float | None
+    dropout: float
+    seeded: bool
+    chunk_size: int | None
+    return_weights: bool
+    return_lse: bool
+
+    @property
+    def align(self) -> str:
+        """The alignment of causal and window masks: upper-left only when asked for."""
+        return "upper_left" if self.causal == "upper_left" else "lower_right"
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query (or multi-query) heads: ``Hq != Hk``."""
+        return len(self.q_shape) > 2 and self.q_shape[-3] != self.k_shape[-3]
+
+
+# Namespace, backend name and device getter depend only on an array's type: cached by type.
+_TYPES: dict[type, tuple[Any, str, Callable[[Any], Any]]] = {}
+
+
+def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
+    info = _TYPES.get(type(x))
+    if info is not None:
+        return info
+    _refuse_numpy_special(name, x)
+    if not array_api_compat.is_array_api_obj(x) or isinstance(x, (bool, int, float, complex)):
+        msg = (
+            f"`{name}` must be an array of your framework (NumPy, CuPy, PyTorch, JAX or "
+            f"another array-API library), got {type_name(x)}; convert it first, e.g. "
+            f"`xp.asarray({name})`."
+        )
+        raise TypeError(msg)
+    try:
+        xp = array_api_compat.array_namespace(x)
+    except TypeError as err:  # an array type array-api-compat cannot wrap
+        msg = f"`{name}` of type {type_name(x)} is not a supported array type: {err}"
+        raise TypeError(msg) from None
+    backend = backend_name(x)
+    get_device = device_getter(backend)
+    info = (xp, backend, get_device)
+    if not (backend == "jax" and type(x).__module__ == "numpy"):  # JAX's float0 gradients
+        _TYPES[type(x)] = info
+    return info
+
+
+def _refuse_numpy_special(name: str, x: object) -> None:
+    """NumPy scalars are not arrays (as Python scalars are not); a masked array's mask
+    would be ignored silently: both are TypeErrors that say what to pass instead."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return
+    if isinstance(x, np.generic):
+        msg = (
+            f"`{name}` must be an array of your framework, got the NumPy scalar {x!r} of type "
+            f"{type_name(x)}; convert it first, e.g. `xp.asarray({name})`."
+        )
+        raise TypeError(msg)
+    if isinstance(x, np.ma.MaskedArray):
+        msg = (
+            f"`{name}` is a numpy.ma.MaskedArray {shape_of(x)}, whose mask attend would ignore; "
+            f"pass `{name}.filled(0.0)` (plain data) and express what is masked out with "
+            "`mask=` (boolean, True = may attend)."
+        )
+        raise TypeError(msg)
+
+
+def _cpu(x: Any) -> str:
+    return "cpu"
+
+
+def _device_attribute(x: Any) -> Any:
+    return x.device
+
+
+def _check_dense_tensor(name: str, x: Any) -> None:
+    """Sparse and nested torch tensors: our TypeError, not torch's from inside a kernel."""
+    if x.is_nested or x.layout is not sys.modules["torch"].strided:
+        kind, fix = (
+            ("nested", f"`{name}.to_padded_tensor(0.0)` with a `mask=` for the padding")
+            if x.is_nested
+            else (str(x.layout), f"`{name}.to_dense()`")
+        )
+        msg = f"`{name}` is a {kind} tensor; attend takes dense (strided) tensors: pass {fix}."
+        raise TypeError(msg)
+
+
+_DEVICE_GETTERS: dict[str, Callable[[Any], Any]] = {
+    "numpy": _cpu,
+    "torch": _device_attribute,
+    "cupy": _device_attribute,
+}
+
+
+def device_getter(backend: str) -> Callable[[Any], Any]:
+    """How to read the device of a ``backend``'s arrays."""
+    return _DEVICE_GETTERS.get(backend, array_api_compat.device)
+
+
+def is_registered(array_type: type) -> bool:
+    """Whether arrays of this type have been validated (and are arrays, not JAX's NumPy
+    float0 gradients): only those enter the call memo's keys."""
+    return array_type in _TYPES
+
+
+def namespace_of(name: str, x: object) -> Any:
+    return _type_info(name, x)[0]
+
+
+def backend_name(x: object) -> str:
+    """The framework of array ``x``: numpy, torch, jax, cupy, else its top-level module."""
+    if array_api_compat.is_numpy_array(x):
+        return "numpy"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    if array_api_compat.is_jax_array(x):
+        return "jax"
+    if array_api_compat.is_cupy_array(x):
+        return "cupy"
+    return type(x).__module__.split(".")[0]
+
+
+def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
+    """Check that every given array (``None`` skipped) is an array of one framework on one
+    device; return ``(xp, backend name, device)``."""
+    present = [(name, x) for name, x in arrays.items() if x is not None]
+    first_name, first = present[0]
+    xp, backend, get_device = _type_info(first_name, first)
+    if backend == "torch":
+        _check_dense_tensor(first_name, first)
+    device = get_device(first)
+    for name, x in present[1:]:
+        if _type_info(name, x)[0] is not xp:
+            msg = (
+                f"`{name}` is a {type_name(x)} but `{first_name}` is a {type_name(first)}: "
+                "all arrays passed to attend must come from one framework; convert them "
+                "first (e.g. `xp.from_dlpack` or `xp.asarray`)."
+            )
+            raise TypeError(msg)
+        if backend == "torch":
+            _check_dense_tensor(name, x)
+        dev = get_device(x)
+        if device is not None and dev is not None and _placement(dev) != _placement(device):
+            msg = (
+                f"`{name}` is on device {dev!r} but `{first_name}` is on {device!r}: move "
+                "all arrays to one device first."
+            )
+            raise ValueError(msg)
+    if _placement(device) is not device:  # sharded: JAX places what the call makes, as in jit
+        device = None
+    return xp, backend, device
+
+
+def _placement(device: Any) -> Any:
+    """Where an array lives, for comparing arrays: a JAX array on several devices reports
+    its sharding as its device, and compares by the set of devices (q sharded by batch
+    with k and v replicated share their devices; JAX computes on them as they are)."""
+    return getattr(device, "device_set", device)
+
+
+def compute_dtype_for(xp: Any, dtype: Any) -> Any:
+    """The dtype scores, softmax and lse are computed in: float32 for 16-bit floats."""
+    return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
+
+
+def _check_dtypes(xp: Any, q: Any, k: Any, v: Any) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        floating = is_kind(xp, x.dtype, "real floating")
+        if floating is None:
+            msg = (
+                f"`{name}` has the dtype {x.dtype}, which is not an array-API dtype of its "
+                "framework (ml_dtypes' bfloat16 and float8 on NumPy arrays, JAX key arrays): "
+                "attend does not compute in it; pass float16, bfloat16 (torch, JAX), float32 "
+                f"or float64, e.g. `{name}.astype(numpy.float32)` for a NumPy array."
+            )
+            raise TypeError(msg)
+        if not floating:
+            msg = (
+                f"`{name}` must have a real floating dtype (float16, bfloat16, float32, "
+                f"float64), got {x.dtype}; cast it with `xp.astype({name}, xp.float32)`."
+            )
+            raise TypeError(msg)
+        if xp.finfo(x.dtype).bits < 16:
+            msg = (
+                f"`{name}` has the 8-bit float dtype {x.dtype}, which attend does not compute "
+                f"in; cast it with `xp.astype({name}, xp.bfloat16)` (or float16/float32) first."
+            )
+            raise TypeError(msg)
+    if not (q.dtype == k.dtype == v.dtype):
+        msg = (
+            "`q`, `k` and `v` must share one dtype, got "
+            f"q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them to one dtype first "
+            "(nothing is cast silently)."
+        )
+        raise TypeError(msg)
+
+
+def _check_shapes(q: Any, k: Any, v: Any) -> None:
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    shapes = f"q {qs}, k {ks}, v {vs}"
+    if min(len(qs), len(ks), len(vs)) < 2:
+        msg = f"`q`, `k` and `v` need at least 2 dims ([L, D] or [..., H, L, D]), got {shapes}."
+        raise ValueError(msg)
+    if not (len(qs) == len(ks) == len(vs)):
+        msg = f"`q`, `k` and `v` must have the same number of dims, got {shapes}."
+        raise ValueError(msg)
+    if not (qs[:-3] == ks[:-3] == vs[:-3]):
+        msg = f"`q`, `k` and `v` must have equal leading (batch) dims, got {shapes}."
+        raise ValueError(msg)
+    if len(qs) >= 3:
+        hq, hk, hv = qs[-3], ks[-3], vs[-3]
+        if hk != hv:
+            msg = f"`k` and `v` must have the same number of heads (axis -3), got {shapes}."
+            raise ValueError(msg)
+        if hk == 0:
+            msg = (
+                f"`k` and `v` have 0 heads (axis -3), got {shapes}; attend needs at least one "
+                "key/value head (an empty batch goes on a leading axis)."
+            )
+            raise ValueError(msg)
+        if hq % hk != 0:
+            msg = (
+                f"the query heads of `q` ({hq}) must be a multiple of the key/value heads "
+                f"of `k` ({hk}) for grouped-query attention (axis -3), got {shapes}."
+            )
+            raise ValueError(msg)
+    if qs[-1] != ks[-1]:
+        msg = f"`q` and `k` must have the same feature size Dk (last axis), got {shapes}."
+        raise ValueError(msg)
+    if ks[-2] != vs[-2]:
+        msg = f"`k` and `v` must have the same sequence length Lk (axis -2), got {shapes}."
+        raise ValueError(msg)
+
+
+def check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tuple) -> None:
+    if mask is not None:
+        if not is_kind(xp, mask.dtype, "bool"):
+            msg = (
+                f"`mask` must be boolean (True = may attend), got dtype {mask.dtype} of shape "
+                f"{shape_of(mask)}. For an additive float mask (0 / -inf) pass it as `bias=` "
+                "instead; for a 0/1 mask where 1 = may attend use `mask=(m != 0)`, where "
+                "1 = masked out (the polarity of nn.MultiheadAttention's masks) use "
+                "`mask=(m == 0)`."
+            )
+            raise TypeError(msg)
+        if not broadcasts(shape_of(mask), score_shape):
+            msg = (
+                f"`mask` of shape {shape_of(mask)} does not broadcast to the score shape "
+                f"{score_shape} ([..., Hq, Lq, Lk])."
+            )
+            raise ValueError(msg)
+    if bias is not None:
+        allowed = (dtype, compute_dtype_for(xp, dtype))
+        if not is_kind(xp, bias.dtype, "real floating") or bias.dtype not in allowed:
+            msg = (
+                f"`bias` must be an additive float array of the inputs' dtype {dtype} or "
+                f"the compute dtype {allowed[1]}, got {bias.dtype}; for a boolean mask use "
+                "`mask=`."
+            )
+            raise TypeError(msg)
+        if not broadcasts(shape_of(bias), score_shape):
+            msg = (
+                f"`bias` of shape {shape_of(bias)} does not broadcast to the score shape "
+                f"{score_shape} ([..., Hq, Lq, Lk])."
+            )
+            raise ValueError(msg)
+
+
+def normalize_causal(causal: object) -> str | None:
+    """``False -> None``, ``True -> "lower_right"`` (NumPy's bools too), a known alignment
+    string -> itself."""
+    if is_numpy_bool(causal):
+        causal = bool(causal)
+    if causal is False:
+        return None
+    if causal is True:
+        return "lower_right"
+    if isinstance(causal, str):
+        if causal in CAUSAL_ALIGNMENTS:
+            return causal
+        msg = f"`causal` must be True, False, 'lower_right' or 'upper_left', got {causal!r}."
+        raise ValueError(msg)
+    msg = (
+        "`causal` must be True, False, 'lower_right' or 'upper_left', "
+        f"got {causal!r} of type {type_name(causal)}."
+    )
+    raise TypeError(msg)
+
+
+def normalize_align(align: object) -> str:
+    """Check the ``align=`` of the mask builders."""
+    if align not in CAUSAL_ALIGNMENTS:
+        msg = f"`align` must be 'lower_right' or 'upper_left', got {align!r}."
+        raise ValueError(msg)
+    return str(align)
+
+
+def normalize_window(window: object) -> tuple[int | None, int | None] | None:
+    """``None``, an int ``w`` (means ``(w, w)``) or ``(left, right)`` of ints >= 0 / None."""
+    if window is None:
+        return None
+    sides: Sequence[object]
+    if as_int(window) is not None:
+        sides = (window, window)
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        sides = window
+    else:
+        msg = (
+            "`window` must be an int w (meaning (w, w)) or a pair (left, right) of ints >= 0 "
+            f"or None (unbounded), got {window!r}."
+        )
+        raise ValueError(msg)
+    ints = [None if side is None else as_int(side) for side in sides]
+    for side, number in zip(sides, ints, strict=True):
+        if side is not None and (number is None or number < 0):
+            why = "; a negative window keeps no key" if number is not None else ""
+            msg = f"`window` sides must be ints >= 0 or None (unbounded), got {window!r}{why}."
+            raise ValueError(msg)
+    return (ints[0], ints[1])
+
+
+def default_scale(dk: int) -> float:
+    """The score scale when ``scale=None``: ``1 / sqrt(Dk)`` (1 for ``Dk == 0``)."""
+    return 1.0 / math.sqrt(dk) if dk > 0 else 1.0
+
+
+def _check_options(
+    scale: object, softcap: object, dropout: object, dk: int
+) -> tuple[float, float | None, float]:
+    if scale is None:
+        scale_f = default_scale(dk)
+    else:
+        scale_f = real_number("scale", scale)
+        if not 0 < scale_f < math.inf:  # comparisons only: torch.compile traces them on
+            # symbolic floats (dynamic=True), math.isfinite it cannot
+            msg = (
+                f"`scale` must be a finite number > 0 (or None for 1/sqrt(Dk)), got {scale!r}; "
+                "0 would weigh every key alike and a negative scale inverts the attention "
+                "(check for an integer division such as `1 // d`)."
+            )
+            raise ValueError(msg)
+    softcap_f = None
+    if softcap is not None:
+        softcap_f = real_number("softcap", softcap)
+        if not 0 < softcap_f < math.inf:  # NaN fails both; as scale's, traceable
+            msg = f"`softcap` must be a finite number > 0 (or None), got {softcap!r}."
+            raise ValueError(msg)
+    return scale_f, softcap_f, check_dropout(dropout)
+
+
+def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
+    if chunk_size is None:
+        return None
+    size = as_int(chunk_size)
+    if size is None or size <= 0:
+        msg = f"`chunk_size` must be an int > 0 (or None for automatic), got {chunk_size!r}."
+        raise ValueError(msg)
+    if return_weights:
+        msg = (
+            "`chunk_size` asks for the chunked path, which never holds the whole weight "
+            "matrix: drop `return_weights=True` or `chunk_size`."
+        )
+        raise ValueError(msg)
+    return size
+
+
+def check_implementation(implementation: object) -> str:
+    """``"auto"``, ``"portable"`` or ``"fused"``."""
+    if implementation not in IMPLEMENTATIONS:
+        msg = f"`implementation` must be 'auto', 'portable' or 'fused', got {implementation!r}."
+        raise ValueError(msg)
+    return str(implementation)
+
+
+def validate_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    causal: object = False,
+    window: object = None,
+    scale: object = None,
+    softcap: object = None,
+    dropout: object = 0.0,
+    rng: object = None,
+    chunk_size: object = None,
+    return_weights: object = False,
+    return_lse: object = False,
+) -> Call:
+    """Check every argument of ``attend``; return the normalised :class:`Call`."""
+    weights_f, lse_f = flag("return_weights", return_weights), flag("return_lse", return_lse)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:  # check_arrays skips None (mask, bias): q, k, v are required
+            _type_info(name, x)
+    xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
+    _check_dtypes(xp, q, k, v)
+    _check_shapes(q, k, v)
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    score_shape = (*qs[:-1], ks[-2])
+    check_mask_bias(xp, mask, bias, q.dtype, score_shape)
+    scale_f, softcap_f, dropout_f = _check_options(scale, softcap, dropout, qs[-1])
+    return Call(
+        xp=xp,
+        backend=backend,
+        device=device,
+        dtype=q.dtype,
+        compute_dtype=compute_dtype_for(xp, q.dtype),
+        q_shape=qs,
+        k_shape=ks,
+        v_shape=vs,
+        mask_shape=None if mask is None else shape_of(mask),
+        bias_shape=None if bias is None else shape_of(bias),
+        causal=normalize_causal(causal),
+        window=normalize_window(window),
+        scale=scale_f,
+        softcap=softcap_f,
+        dropout=dropout_f,
+        seeded=rng is not None,
+        chunk_size=_check_chunk_size(chunk_size, weights_f),
+        return_weights=weights_f,
+        return_lse=lse_f,
+    )
+
+
+def rng_type_error(backend: str, expected: str, rng: object) -> TypeError:
+    """The error for an ``rng`` of the wrong type for the arrays' framework."""
+    msg = (
+        f"`rng` for {backend} arrays must be {expected}, got {type_name(rng)}; "
+        "pass the framework's own random generator."
+    )
+    return TypeError(msg)
+
+
+def rng_device_error(rng_device: object, device: object) -> ValueError:
+    """The error for a generator on another device than the arrays."""
+    msg = (
+        f"`rng` draws on {rng_device} but the arrays are on {device}; make a generator "
+        f"on the arrays' device, e.g. `torch.Generator(device={str(device)!r})`."
+    )
+    return ValueError(msg)
+
+
+def missing_rng_error(backend: str, expected: str) -> ValueError:
+    """The error for dropout without the ``rng`` a framework needs."""
+    msg = f"`dropout` > 0 on {backend} arrays needs `rng=`: pass {expected}."
+    return ValueError(msg)
+
+
+def fused_unavailable_error(reason: str) -> ValueError:
+    """The error of ``implementation="fused"`` where no fused path applies."""
+    msg = f'`implementation="fused"` cannot run this call: {reason}'
+    return ValueError(msg)

@@ -1,0 +1,91 @@
+"""The adapter protocol: what a framework's module offers the planner and the core.
+
+An :class:`Adapter` binds what the array API standard cannot express for one framework:
+
+- ``keep_mask(rng, p, xp, device)``: the dropout keep-mask drawer from the framework's
+  RNG (``shape -> bool array``); a wrong ``rng`` raises here, named.
+- ``scores(q, k)``: ``q @ k^T`` where the framework has a faster formulation than
+  ``matmul(q, matrix_transpose(k))``; :mod:`portable_attention._core` takes it as an
+  argument.
+- ``fused``: the framework's fused kernel (``implementation="fused"`` asks for it), or
+  None.
+- ``native``: a kernel of the package's own written for this framework (NumPy's blocked
+  kernel, JAX's query blocks under ``lax.map``), which only ``auto`` takes, or None.
+
+Both kernels are :class:`Kernel` objects. The planner asks ``reason(call)`` (why the
+kernel cannot run the call; None: it can) and, for ``auto`` only, ``auto_reason(call)``
+(why ``auto`` prefers the portable path although the kernel could run). Decisions may
+read any field of the :class:`~portable_attention._spec.Call`: plans are memoised with
+the whole call description, so nothing has to be listed for a cache key.
+
+A new backend is one module in this package that defines ``ADAPTER``, an instance of a
+subclass of :class:`Adapter`, registered by name in :mod:`portable_attention.backends`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from portable_attention._core import KeepMask
+from portable_attention._spec import Call
+
+#: ``kernel(q, k, v) -> out``: a fused kernel with every other argument bound.
+Prepared = Callable[[Any, Any, Any], Any]
+
+
+class Kernel(ABC):
+    """A kernel besides the portable path, with the reasons the planner reports."""
+
+    #: The plan's path while this kernel runs (``"fused:torch"``, ``"native:numpy"``).
+    path: ClassVar[str]
+    #: The plan's reason while this kernel runs, in words.
+    why: ClassVar[str]
+
+    @abstractmethod
+    def reason(self, call: Call) -> str | None:
+        """Why this kernel cannot give the contract's answer for ``call`` (None: it can)."""
+
+    def auto_reason(self, call: Call) -> str | None:
+        """Why ``auto`` takes the portable path although this kernel could run (None:
+        it takes this kernel)."""
+        return None
+
+    @abstractmethod
+    def run(
+        self, call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: KeepMask | None
+    ) -> tuple[Any, Any, Any]:
+        """``(out, weights or None, lse or None)`` for a call :meth:`reason` accepted.
+
+        A fused kernel draws its own dropout and is given ``keep=None``."""
+
+    def prepare(self, call: Call) -> Prepared | None:
+        """A function of ``(q, k, v)`` alone for ``call``, where the kernel can bind
+        everything else (one Python call less on a repeated call); None: use :meth:`run`."""
+        return None
+
+
+class Adapter(ABC):
+    """One framework's bindings; see the module docstring."""
+
+    #: The framework's name in messages ("torch", "JAX").
+    name: ClassVar[str]
+    #: What ``rng=`` takes on this framework, in words (in messages).
+    rng: ClassVar[str]
+    fused: Kernel | None = None
+    native: Kernel | None = None
+
+    @abstractmethod
+    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
+        """The keep-mask drawer of ``rng`` (checked here, even where it goes unused)."""
+
+    def scores(self, xp: Any) -> Callable[[Any, Any], Any] | None:
+        """``q @ k^T`` for ``xp``'s arrays where this framework has a faster formulation;
+        None: ``matmul(q, matrix_transpose(k))``."""
+        return None
+
+    def tracing(self) -> bool:
+        """Whether a compiler is tracing this call now (``torch.compile``): the planner
+        then skips its ``lru_cache``, which the tracer would ignore with a warning."""
+        return False
