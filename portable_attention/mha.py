@@ -3,7 +3,7 @@ initialisation and a plain (autograd-free) class.
 
 Parameters are a plain ``dict`` of arrays, applied as ``x @ w + b`` on batch-first inputs
 ``[B, L, E]`` (the one state format, shared with
-:class:`portable_attention.backends.torch_mha.MultiHeadAttention`):
+:class:`portable_attention.nn.torch.MultiHeadAttention`):
 
 | name    | shape              | role                                                        |
 | ------- | ------------------ | ----------------------------------------------------------- |

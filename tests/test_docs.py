@@ -41,8 +41,8 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cupy": (("cupy",), ("cupy",)),  # never a selected backend: such blocks carry the mark
     "transformers": (("torch",), ("transformers",)),
     "matplotlib": ((), ("matplotlib",)),
-    "portable_attention.backends.torch_mha": (("torch",), ()),
-    "portable_attention.backends.flax_mha": (("jax",), ("flax",)),
+    "portable_attention.nn.torch": (("torch",), ()),
+    "portable_attention.nn.flax": (("jax",), ("flax",)),
     "portable_attention.integrations.transformers": (("torch",), ("transformers",)),
     "portable_attention.plot": ((), ("matplotlib",)),
 }
@@ -184,7 +184,7 @@ def test_block_parser_finds_marks_and_line_numbers(tmp_path: Path) -> None:
         (9, "import cupy\n", "needs a GPU"),
         (15, "y = x + 1\n", None),
     ]
-    assert requirements("import torch\nfrom portable_attention.backends.flax_mha import M\n") == (
+    assert requirements("import torch\nfrom portable_attention.nn.flax import M\n") == (
         {"torch", "jax"},
         {"flax"},
     )

@@ -16,7 +16,7 @@ pytestmark = requires_backend("jax")
 
 def _module(**kwargs: Any) -> Any:
     pytest.importorskip("flax")
-    from portable_attention.backends.flax_mha import MultiHeadAttention
+    from portable_attention.nn.flax import MultiHeadAttention
 
     return MultiHeadAttention(16, 4, num_kv_heads=2, **kwargs)
 
@@ -87,7 +87,7 @@ def test_train_eval_switch_dropout() -> None:
 
 def test_state_moves_between_torch_and_flax() -> None:
     torch = pytest.importorskip("torch")
-    from portable_attention.backends.torch_mha import MultiHeadAttention as TorchMHA
+    from portable_attention.nn.torch import MultiHeadAttention as TorchMHA
 
     t = TorchMHA(16, 4, num_kv_heads=2, seed=9)
     f = _module(seed=1)

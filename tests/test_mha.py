@@ -16,7 +16,7 @@ from portable_attention import mha
 
 import oracle
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
-from helpers import assert_like, rng_for
+from helpers import assert_like, rng_for, run_python
 
 # Values go through two projections around attention: a little looser than attend's.
 MHA_TOL = {"float64": (1e-10, 1e-12), "float32": (2e-4, 2e-5)}
@@ -265,7 +265,7 @@ def _torch_inputs(
 @pytest.mark.parametrize("kdim", [None, 6])
 def test_swap_matches_torch(batch_first: bool, kdim: int | None) -> None:
     import torch
-    from portable_attention.backends.torch_mha import (
+    from portable_attention.nn.torch import (
         MultiHeadAttention,
         TorchCompatMultiHeadAttention,
     )
@@ -323,7 +323,7 @@ def test_swap_matches_torch(batch_first: bool, kdim: int | None) -> None:
 @requires_backend("torch")
 def test_torch_module_native_forward_and_modes() -> None:
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     m = MultiHeadAttention(16, 4, num_kv_heads=2, dropout=0.5, seed=2, dtype=torch.float64)
     assert {n for n, _ in m.named_parameters()} == {*mha.WEIGHTS, *mha.BIASES}
@@ -364,7 +364,7 @@ def test_torch_module_native_forward_and_modes() -> None:
 @requires_backend("torch")
 def test_state_round_trip_torch_numpy_torch() -> None:
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     t1 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=7)
     with torch.no_grad():
@@ -391,7 +391,7 @@ def test_frameworks_agree() -> None:
     """The same weights (from the torch module) and inputs on torch, NumPy, JAX and
     array_api_strict give the same float64 result."""
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     t = MultiHeadAttention(16, 4, num_kv_heads=2, seed=11, dtype=torch.float64)
     state = t.state_dict_portable()
@@ -438,7 +438,7 @@ def test_example_runs() -> None:
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_torch_compat_unbatched_and_is_causal(batch_first: bool) -> None:
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(1)
     ref = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
@@ -506,7 +506,7 @@ def test_weights_move_torch_jax_numpy_torch_by_dlpack() -> None:
     gives the same outputs (float32, identical weights, so agreement to float32 rounding)."""
     import jax.numpy as jnp
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(0)
     first = MultiHeadAttention(16, 4, num_kv_heads=2)
@@ -532,7 +532,7 @@ def test_weights_move_torch_jax_numpy_torch_by_dlpack() -> None:
 @requires_backend("torch")
 def test_torch_module_under_torch_compile() -> None:
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(0)
     module = MultiHeadAttention(16, 4, num_kv_heads=2).eval()
@@ -555,7 +555,7 @@ def test_torch_compat_refuses_integer_masks(which: str) -> None:
     """torch refuses a uint8/int mask; an old-style 0/1 mask (1 = masked) must not be added
     to the scores as a bias, silently attending to the keys it meant to hide."""
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     module = MultiHeadAttention(8, 2, seed=0)
     q, k, v, _ = _torch_inputs(True, None, 0)
@@ -579,7 +579,7 @@ def test_from_torch_drop_in_inside_transformer_layers(
     attributes to pick torch's fused and nested-tensor paths (AttributeError before);
     outputs match torch's, with and without autograd recording."""
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(
@@ -606,8 +606,8 @@ def test_state_loads_bfloat16_and_grad_tracking_arrays() -> None:
     """Every module loads any framework's parameters: bfloat16 (NumPy has it only through
     ml_dtypes) and tensors that require grad, converted to the module's dtype."""
     import torch
-    from portable_attention.backends.flax_mha import MultiHeadAttention as FlaxMHA
-    from portable_attention.backends.torch_mha import MultiHeadAttention as TorchMHA
+    from portable_attention.nn.flax import MultiHeadAttention as FlaxMHA
+    from portable_attention.nn.torch import MultiHeadAttention as TorchMHA
 
     bf16 = TorchMHA(16, 4, num_kv_heads=2, seed=3, dtype=torch.bfloat16)
     f32 = TorchMHA(16, 4, num_kv_heads=2, seed=4)  # parameters require grad
@@ -656,7 +656,7 @@ def test_modules_refuse_dropout_out_of_range(p: float) -> None:
         mha.MultiHeadAttention(8, 2, dropout=p)
     if "torch" in BY_NAME:
         import torch
-        from portable_attention.backends.torch_mha import MultiHeadAttention
+        from portable_attention.nn.torch import MultiHeadAttention
 
         with pytest.raises(ValueError, match="`dropout` must be in"):
             MultiHeadAttention(8, 2, dropout=p)
@@ -679,7 +679,7 @@ def test_init_params_sizes_are_positive_ints() -> None:
 @requires_backend("torch")
 def test_from_torch_takes_only_multihead_attention() -> None:
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     with pytest.raises(TypeError, match=r"`m` must be a torch\.nn\.MultiheadAttention"):
         MultiHeadAttention.from_torch(torch.nn.Linear(8, 8))  # type: ignore[arg-type]
@@ -720,7 +720,7 @@ def test_torch_compat_misshapen_masks_name_torchs_argument(
     """Wrong mask shapes in torch's signature: a ValueError naming torch's argument and
     the shapes it takes, not a reshape error from inside (nor `mask` for `attn_mask`)."""
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     module = MultiHeadAttention(16, 4, batch_first=True, seed=0)  # B=2, H=4, L=5
     x = torch.randn(2, 5, 16)
@@ -737,7 +737,7 @@ def test_torch_compat_mask_shapes_as_passed_unbatched_and_sequence_first() -> No
     unbatched query (not the ``[1, Lk]`` made inside), ``[B, Lk]`` with ``batch_first=False``
     (``[L, B, E]`` inputs), ``[num_heads, Lq, Lk]`` as the unbatched stacked attn_mask."""
     import torch
-    from portable_attention.backends.torch_mha import MultiHeadAttention
+    from portable_attention.nn.torch import MultiHeadAttention
 
     module = MultiHeadAttention(16, 4, batch_first=False, seed=0)
     x = torch.randn(5, 16)  # unbatched: [L, E]
@@ -755,3 +755,19 @@ def test_torch_compat_mask_shapes_as_passed_unbatched_and_sequence_first() -> No
         module.torch_compat_forward(
             seq_first, seq_first, seq_first, key_padding_mask=torch.zeros(5, 2, dtype=torch.bool)
         )
+
+
+def test_framework_modules_live_in_nn_which_imports_no_framework() -> None:
+    """The public modules are ``portable_attention.nn.torch`` / ``.nn.flax``; ``backends/``
+    holds only adapters (no ``torch_mha`` / ``flax_mha`` left there), and importing
+    ``portable_attention.nn`` imports no framework."""
+    for gone in ("torch_mha", "flax_mha"):
+        assert importlib.util.find_spec(f"portable_attention.backends.{gone}") is None
+    for name in ("torch", "flax"):
+        assert importlib.util.find_spec(f"portable_attention.nn.{name}") is not None
+    out = run_python(
+        "import sys\n"
+        "import portable_attention.nn\n"
+        "print(sorted(m for m in ('torch', 'jax', 'flax') if m in sys.modules))\n"
+    )
+    assert out.strip() == "[]"

@@ -1,6 +1,8 @@
-"""JAX: multi-head attention as a Flax NNX module on the array-API core.
+"""Multi-head attention as a Flax NNX module: :class:`MultiHeadAttention` and its argument
+checks, on the array-API core.
 
-``pip install portable-attention[flax]``. The module holds the parameters of
+``from portable_attention.nn.flax import MultiHeadAttention`` (``pip install
+portable-attention[flax]``). The module holds the parameters of
 :mod:`portable_attention.mha` (same names and shapes, the one state format) as
 ``nnx.Param`` and calls :func:`portable_attention.mha.multi_head_attention`, so
 ``nnx.jit``, ``nnx.vmap`` and ``nnx.grad`` go through :func:`portable_attention.attend`.

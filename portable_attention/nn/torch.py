@@ -1,6 +1,8 @@
-"""Multi-head attention as a ``torch.nn.Module`` on the portable functional core.
+"""Multi-head attention as a ``torch.nn.Module``: :class:`MultiHeadAttention`, its
+drop-in form for ``torch.nn.MultiheadAttention`` (:class:`TorchCompatMultiHeadAttention`)
+and their argument checks, on the portable functional core.
 
-``from portable_attention.backends.torch_mha import MultiHeadAttention``
+``from portable_attention.nn.torch import MultiHeadAttention``
 
 The parameters are ``nn.Parameter`` objects named as in the portable state format of
 :mod:`portable_attention.mha` (``w_q (E, Hq*D)``, ``w_k (kdim, Hk*D)``, ``w_v (vdim, Hk*D)``,
