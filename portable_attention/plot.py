@@ -6,14 +6,18 @@ float64 NumPy array first, and the caller's array is never modified. Rows are qu
 columns keys, as in ``attend(..., return_weights=True)``'s ``[..., Lq, Lk]``.
 
 matplotlib is an optional dependency: ``pip install 'portable-attention[plot]'``.
-Nothing here calls ``plt.show()``; new figures come from ``matplotlib.pyplot`` (so a
-notebook shows them and ``plt.show()`` works), and saving one needs no display
-(``fig.savefig("weights.png")`` works under the "Agg" backend).
+Long titles are broken into lines at spaces so that they fit inside the figure: a figure
+title to 95% of its width, axes titles when the figure is drawn (matplotlib's ``wrap=True``;
+``get_title()`` keeps the text as given). Nothing here calls
+``plt.show()``; new figures come from ``matplotlib.pyplot`` (so a notebook shows them and
+``plt.show()`` works), and saving one needs no display (``fig.savefig("weights.png")``
+works under the "Agg" backend).
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -103,8 +107,27 @@ def _draw(
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     if title:
-        ax.set_title(title)
+        ax.set_title(title, wrap=True)  # wrapped when drawn, to fit the figure
     return image
+
+
+def _suptitle(fig: Any, title: str) -> None:
+    """Make ``title`` the figure title, in lines at most 95% of the figure's width.
+
+    Broken at spaces (inside a word only where one word is wider than that), measured with
+    the title's font: the figure's width is fixed, so this holds once it is drawn. The title
+    also wraps when drawn (``wrap=True``), should the figure be resized.
+    """
+    text = fig.suptitle(title)
+    width = 0.95 * fig.bbox.width
+    measured = text.get_window_extent().width
+    lines = title.splitlines() or [title]
+    chars = max(1, int(max(len(line) for line in lines) * width / measured))
+    while measured > width and chars > 1:
+        text.set_text("\n".join(textwrap.fill(line, chars) for line in lines))
+        measured = text.get_window_extent().width
+        chars = max(1, chars - max(1, chars // 20))
+    text.set_wrap(True)
 
 
 def _inches(cells: int) -> float:
@@ -160,7 +183,8 @@ def heatmap(
     colorbar : bool
         Add a colour bar (one for the whole grid).
     title : str, optional
-        The axes title (one heatmap) or the figure title (grid).
+        The axes title (one heatmap) or the figure title (grid); broken into lines at
+        spaces where it would not fit inside the figure.
 
     Returns
     -------
@@ -192,7 +216,8 @@ def heatmap(
         low, high = _scale(panel, vmin, vmax)  # the drawn head's largest weight
         if ax is None:
             _, ax = plt.subplots(
-                figsize=(_inches(panel.shape[1]) + 1.5, _inches(panel.shape[0]) + 1.0)
+                figsize=(_inches(panel.shape[1]) + 1.5, _inches(panel.shape[0]) + 1.0),
+                layout="constrained",  # room above the axes for a wrapped title
             )
         image = _draw(
             ax,
@@ -236,7 +261,7 @@ def heatmap(
     if colorbar and image is not None:
         fig.colorbar(image, ax=[c for c in axes.flat[:n]], shrink=0.8)
     if title:
-        fig.suptitle(title)
+        _suptitle(fig, title)
     return fig
 
 
@@ -264,7 +289,8 @@ def side_by_side(
     query_labels, key_labels, cmap
         As in :func:`heatmap`.
     title : str, optional
-        The figure title.
+        The figure title (broken into lines at spaces where it is wider than 95% of the
+        figure).
 
     Returns
     -------
@@ -300,7 +326,7 @@ def side_by_side(
         )
     fig.colorbar(image, ax=list(axes), shrink=0.8)
     if title:
-        fig.suptitle(title)
+        _suptitle(fig, title)
     return fig
 
 

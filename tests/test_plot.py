@@ -122,6 +122,57 @@ def test_side_by_side_shares_one_scale(tmp_path: Path) -> None:
     _saved(figure, tmp_path / "side.png")
 
 
+#: The report's title of its default plot case (``python -m portable_attention --plot``).
+LONG_TITLE = (
+    "window (float32): sliding window: causal=True, window=(4, 0) "
+    "(each query sees itself and 4 before)"
+)
+
+
+def _titles_inside(figure: Figure, path: Path) -> list[Any]:
+    """Save ``figure`` and check that every title drawn lies inside it; returns the title
+    ``Text`` objects (the figure's first)."""
+    figure.savefig(path)  # draws: layout done, wrapped titles measured as drawn
+    box = figure.bbox
+    texts = [t for t in (*figure.texts, *(a.title for a in figure.axes)) if t.get_text()]
+    for text in texts:
+        extent = text.get_window_extent()
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, (text.get_text(), extent, box)
+        assert box.y0 <= extent.y0 and extent.y1 <= box.y1, (text.get_text(), extent, box)
+    return texts
+
+
+def _lines(text: Any) -> float:
+    """About how many lines ``text`` took when drawn (its height over its font size)."""
+    return text.get_window_extent().height / (text.get_fontsize() * text.figure.dpi / 72)
+
+
+def test_long_figure_title_fits_one_panel_and_grids(tmp_path: Path) -> None:
+    """A figure title wider than the figure (the report's, on one backend: it was cut off
+    at both sides) is broken into lines at spaces, every word kept."""
+    w = _weights(2, 3, lq=16, lk=16)
+    figures = {
+        "one panel": plot.side_by_side({"numpy cpu": w}, head=(0, 0), title=LONG_TITLE),
+        "two panels": plot.side_by_side({"a": w, "b": w}, head=(0, 0), title=LONG_TITLE),
+        "grid": plot.heatmap(w[:1, :2], title=LONG_TITLE),
+    }
+    for name, figure in figures.items():
+        title = _titles_inside(figure, tmp_path / f"{name}.png")[0]
+        assert title.get_text().split() == LONG_TITLE.split(), name
+    assert "\n" in figures["one panel"].get_suptitle()  # it needed wrapping
+
+
+def test_long_axes_title_fits_one_heatmap(tmp_path: Path) -> None:
+    """One small heatmap with a long title: wrapped when drawn, inside the figure, and
+    ``get_title()`` keeps it as given."""
+    ax = plot.heatmap(_weights(lq=3, lk=3), title=LONG_TITLE)
+    (title,) = _titles_inside(ax.figure, tmp_path / "one.png")
+    assert _lines(title) > 2  # wrapped
+    assert ax.get_title() == LONG_TITLE
+    ax = plot.heatmap(_weights(2, 3), head=(1, 2), title=LONG_TITLE)
+    _titles_inside(ax.figure, tmp_path / "head.png")
+
+
 def test_input_is_not_modified() -> None:
     w = _weights(2)
     before = w.copy()
