@@ -1,12 +1,13 @@
-"""``attend()`` and ``plan()``: validate, plan, run the chosen path."""
+"""``attend()``, ``attend_backward()`` and ``plan()``: validate, plan, run the chosen path."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from portable_attention import _core, _memo
-from portable_attention._plan import CHUNKED, Plan, choose
+from portable_attention import _blockwise, _core, _memo
+from portable_attention._blockwise import BlockKeep, Grads
+from portable_attention._plan import BLOCKWISE_PATHS, Plan, choose
 from portable_attention._spec import Call, check_implementation, validate_call
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Prepared
@@ -73,10 +74,12 @@ def attend(
         Also return the softmax weights ``[..., Hq, Lq, Lk]`` (before dropout) and/or
         the natural-log logsumexp ``[..., Hq, Lq]`` of the masked scores.
     chunk_size : int, optional
-        Query/key block length of the memory-efficient chunked path (online softmax,
-        peak memory ``O(Lq * Dv + chunk_size**2)`` per head); asks for that path.
-        Without it ``auto`` chunks by itself when the dense scores would be large.
-        Not with ``return_weights``.
+        Query/key block length of the blockwise path (an online softmax forward, and a
+        backward that recomputes each block from lse: peak memory
+        ``O((Lq + Lk) * D + chunk_size**2)`` per head, forward and backward); asks for
+        that path. Without it ``auto`` takes the blockwise path by itself where the dense
+        scores, or what autodiff would save of them, would be large. Not with
+        ``return_weights``.
     implementation : {"auto", "portable", "fused"}
         ``"auto"`` takes the framework's fused kernel where its result matches this
         contract, else the portable path; ``"portable"`` never takes a fused kernel;
@@ -175,13 +178,19 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
 
         return run_native, None
 
+    if path in BLOCKWISE_PATHS:
+
+        def run_blockwise(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+            keep = _block_keep(call, rng)
+            out, lse = backend.blockwise(call, q, k, v, mask, bias, keep)
+            return _pack(call, out, None, lse)
+
+        return run_blockwise, None
+
     scores = backend.scores(call.xp)
 
     def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
         keep = _keep_mask(call, rng)
-        if path == CHUNKED:
-            out, lse = _core.chunked(call, q, k, v, mask, bias, keep, scores=scores)
-            return _pack(call, out, None, lse)
         return _pack(call, *_core.dense(call, q, k, v, mask, bias, keep, scores=scores))
 
     return run, None
@@ -197,6 +206,15 @@ def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:
         return None
     keep = adapter(call.backend).keep_mask(rng, call.dropout, call.xp, call.device)
     return keep if call.dropout > 0 else None
+
+
+def _block_keep(call: Call, rng: Any) -> BlockKeep | None:
+    """The blockwise path's per-block keep masks from ``rng``; None without dropout (a
+    given ``rng`` is still checked, and a stateful one is not advanced)."""
+    if call.dropout == 0:
+        _keep_mask(call, rng)
+        return None
+    return adapter(call.backend).block_keep(rng, call.dropout, call.xp, call.device)
 
 
 def _pack(call: Call, out: Any, weights: Any, lse: Any) -> Any:
@@ -220,3 +238,87 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
     call = validate_call(q, k, v, **kwargs)
     _keep_mask(call, kwargs.get("rng"))
     return choose(call, implementation)
+
+
+def attend_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    causal: bool | str = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    rng: Any = None,
+    chunk_size: int | None = None,
+    dlse: Any = None,
+) -> Grads:
+    """Gradients of a loss through :func:`attend`, from its ``out`` and ``lse`` alone.
+
+    FlashAttention-2's blockwise backward in the arrays' own namespace and on their device
+    (NumPy, CuPy, array_api_strict, torch, JAX ...): each block's probabilities are
+    recomputed as ``exp(s - lse)``, so peak memory is ``O((Lq + Lk) * D + block**2)`` per
+    head and nothing of the forward but ``out`` and ``lse`` is needed. Blocks that
+    ``causal``/``window`` mask entirely are skipped; rows with no key get zero gradients.
+
+    Parameters
+    ----------
+    dout : array ``[..., Hq, Lq, Dv]``
+        The loss's gradient with respect to ``out``.
+    q, k, v : arrays
+        The inputs of the forward call.
+    out, lse : arrays ``[..., Hq, Lq, Dv]`` and ``[..., Hq, Lq]``
+        What ``attend(q, k, v, return_lse=True, **options)`` returned. They may come
+        from elsewhere: with the *global* ``out`` and ``lse`` of the query rows, a call
+        on one shard of K/V gives that shard's ``dk``, ``dv`` and its part of ``dq``
+        exactly (sequence parallelism sums the ``dq`` over shards).
+    mask, bias, causal, window, scale, softcap
+        The forward call's options, as :func:`attend` takes them.
+    dropout, rng, chunk_size
+        To replay dropout, the forward must have run the blockwise path
+        (``plan(...).path`` ``"portable:chunked"`` or ``"portable:blockwise"``, e.g. with
+        ``chunk_size=``); pass the same ``dropout``, the same ``chunk_size`` and an
+        ``rng`` in the state the forward's was in (a generator made again from the same
+        seed, or the same JAX key): each block's keep mask is drawn again from it.
+        Without dropout, ``chunk_size`` only sets the block length.
+    dlse : array ``[..., Hq, Lq]``, optional
+        The loss's gradient with respect to ``lse``, where the loss uses it.
+
+    Returns
+    -------
+    Grads
+        ``(dq, dk, dv, dbias)``: shaped and typed as ``q``, ``k``, ``v`` and ``bias``
+        (``dbias`` summed over the axes the bias broadcasts along; None without a bias).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attend` for the inputs and options; for ``dout``, ``out``, ``lse`` or
+        ``dlse`` of another framework, device, shape or dtype.
+    """
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        dropout=dropout,
+        rng=rng,
+        chunk_size=chunk_size,
+        return_lse=True,
+    )
+    _blockwise.check_backward_arrays(call, q, dout=dout, out=out, lse=lse, dlse=dlse)
+    keep = _block_keep(call, rng)
+    return adapter(call.backend).blockwise_backward(
+        call, dout, q, k, v, out, lse, mask, bias, keep, dlse
+    )

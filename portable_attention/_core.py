@@ -5,9 +5,11 @@ writes, no boolean indexing, no Python branching on data (only on static shapes)
 Grouped-query heads are computed by splitting the query heads into ``[Hk, G]`` and
 broadcasting K/V over ``G``, so K/V are never copied per head.
 
-Two paths: :func:`dense` materialises the ``[..., Lq, Lk]`` scores; :func:`chunked`
-walks query and key blocks with an online softmax (running max and sum), so its peak
-memory is ``O(Lq * Dv + block**2)`` per head instead of ``O(Lq * Lk)``.
+:func:`dense` materialises the ``[..., Lq, Lk]`` scores; the blockwise path
+(:mod:`portable_attention._blockwise`) walks query and key blocks with an online softmax
+(running max and sum) and has a backward of its own, so its peak memory is
+``O((Lq + Lk) * D + block**2)`` per head instead of ``O(Lq * Lk)``. Its blocks reuse this
+module's operands, masks and scores.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ Scores = Callable[[Any, Any], Any]
 
 #: Above this many bytes of dense scores, ``auto`` takes the chunked portable path.
 DENSE_LIMIT_BYTES = 256 << 20
+
+#: On a framework with autodiff (torch, JAX), above this many bytes of dense scores
+#: ``auto`` takes the blockwise path: the dense path's autodiff would save the
+#: probabilities (and more of the scores' size) for backward. See
+#: :mod:`portable_attention._plan` for the measurement.
+SAVED_LIMIT_BYTES = 16 << 20
 
 
 def dense_bytes(call: Call) -> int:
@@ -368,60 +376,7 @@ def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
 
 
 def auto_chunk(call: Call) -> int:
-    """Block length for the chunked path: blocks of ``CHUNK_BUDGET`` scores in all."""
+    """Block length for the blockwise path: blocks of ``CHUNK_BUDGET`` scores in all."""
     heads_and_batch = math.prod(call.q_shape[:-2])
     side = math.isqrt(max(CHUNK_BUDGET // max(heads_and_batch, 1), 1))
     return max(16, min(1024, 1 << max(side.bit_length() - 1, 0)))
-
-
-def chunked(
-    call: Call,
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any = None,
-    bias: Any = None,
-    keep_mask: KeepMask | None = None,
-    *,
-    scores: Scores | None = None,
-) -> tuple[Any, Any]:
-    """Online-softmax attention over query and key blocks; returns ``(out, lse)``.
-
-    Blocks that ``causal``/``window`` mask entirely are skipped without computing them.
-    """
-    if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
-        out, _, lse = _empty_keys(call, q, k, v)
-        return out, lse
-    xp = call.xp
-    ops = operands(call, q, k, v, mask, bias)
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    size = call.chunk_size or auto_chunk(call)
-    out_blocks, lse_blocks = [], []
-    for q0 in range(0, lq, size):
-        rows = (q0, min(q0 + size, lq))
-        lead = (*ops.q.shape[:-2], rows[1] - rows[0])
-        m = xp.full((*lead, 1), -xp.inf, dtype=call.compute_dtype, device=call.device)
-        total = xp.zeros((*lead, 1), dtype=call.compute_dtype, device=call.device)
-        acc = xp.zeros((*lead, call.v_shape[-1]), dtype=call.compute_dtype, device=call.device)
-        for k0 in range(0, lk, size):
-            cols = (k0, min(k0 + size, lk))
-            if _block_is_empty(call, rows, cols):
-                continue
-            s = _masked_scores(call, ops, rows, cols, whole=False, scores=scores)
-            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
-            m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
-            e = xp.exp(s - m_safe)
-            rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
-            total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
-            if keep_mask is not None:
-                e = inverted_dropout(xp, e, keep_mask, call.dropout)
-            acc = rescale * acc + xp.matmul(e, ops.v[..., cols[0] : cols[1], :])
-            m = m_new
-        has_key = total != 0  # NaN rows keep NaN, as in dense
-        total_safe = xp.where(has_key, total, 1.0)
-        m_safe = xp.where(xp.isfinite(m), m, 0.0)
-        out_blocks.append(acc / total_safe)
-        lse_blocks.append(xp.where(has_key, xp.log(total_safe) + m_safe, -xp.inf)[..., 0])
-    out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
-    lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
-    return _finish(call, out, lse)

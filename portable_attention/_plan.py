@@ -12,12 +12,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from portable_attention._core import DENSE_LIMIT_BYTES, dense_bytes
+from portable_attention._core import DENSE_LIMIT_BYTES, SAVED_LIMIT_BYTES, dense_bytes
 from portable_attention._spec import Call, fused_unavailable_error
 from portable_attention.backends import adapter
 
 PORTABLE = "portable"
 CHUNKED = "portable:chunked"
+BLOCKWISE = "portable:blockwise"
+#: The paths that run the blockwise algorithm (forward and backward).
+BLOCKWISE_PATHS = (CHUNKED, BLOCKWISE)
 
 
 @dataclass(frozen=True)
@@ -30,8 +33,15 @@ class Plan:
         ``"fused:torch"``, ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's
         fused kernel; ``"native:numpy"``: a NumPy-only blocked kernel; ``"native:jax"``:
         the dense path on query blocks under ``lax.map`` (JAX on CPU); ``"portable"``:
-        the array-API implementation with the whole score matrix;
-        ``"portable:chunked"``: the array-API online softmax over key/query blocks.
+        the array-API implementation with the whole score matrix (autodiff saves its
+        probabilities for backward); ``"portable:chunked"`` and ``"portable:blockwise"``:
+        the blockwise path, an online softmax over query and key blocks whose backward
+        (FlashAttention-2's) recomputes each block from the saved q, k, v, out and lse
+        (torch: an ``autograd.Function``; JAX: a ``custom_vjp`` looping with
+        ``lax.scan``; elsewhere :func:`~portable_attention.attend_backward`). The name
+        says what chose it: ``"portable:chunked"`` for ``chunk_size=`` or dense scores
+        over 256 MiB, ``"portable:blockwise"`` for ``auto`` on torch or JAX where the
+        dense path would save over 16 MiB of probabilities for backward.
     reason : str
         In words, why this path and not a faster one.
     """
@@ -47,7 +57,16 @@ def _portable(call: Call, why: str) -> Plan:
         return Plan(
             CHUNKED,
             f"{why}; the dense scores would take over {DENSE_LIMIT_BYTES >> 20} MiB, "
-            "so key/query blocks with an online softmax run",
+            "so key/query blocks with an online softmax run (the blockwise backward "
+            "recomputes them from lse)",
+        )
+    backend = adapter(call.backend)
+    if backend.autodiff and dense_bytes(call) > SAVED_LIMIT_BYTES:
+        return Plan(
+            BLOCKWISE,
+            f"{why}; {backend.name}'s autodiff of the dense path would save over "
+            f"{SAVED_LIMIT_BYTES >> 20} MiB of probabilities for backward, so the blockwise "
+            "path runs (it saves q, k, v, out and lse and recomputes each block in backward)",
         )
     return Plan(PORTABLE, why)
 
@@ -55,7 +74,11 @@ def _portable(call: Call, why: str) -> Plan:
 @functools.lru_cache(maxsize=4096)
 def _decide(call: Call, implementation: str) -> Plan:
     if call.chunk_size is not None:  # before any kernel: every backend would decline
-        return Plan(CHUNKED, f"chunk_size={call.chunk_size} asks for the portable chunked path")
+        return Plan(
+            CHUNKED,
+            f"chunk_size={call.chunk_size} asks for the portable chunked path (blocks of "
+            "that size forward and in the blockwise backward)",
+        )
     if implementation == "portable":
         return _portable(call, "implementation='portable' was asked for")
     backend = adapter(call.backend)

@@ -11,6 +11,18 @@ An :class:`Adapter` binds what the array API standard cannot express for one fra
   None.
 - ``native``: a kernel of the package's own written for this framework (NumPy's blocked
   kernel, JAX's query blocks under ``lax.map``), which only ``auto`` takes, or None.
+- ``block_keep(rng, p, xp, device)``: dropout's keep masks for the blockwise path, one
+  per block, each a deterministic function of ``rng`` and the block's number
+  (:data:`~portable_attention._blockwise.BlockKeep`), so that the backward draws the
+  forward's masks again instead of storing them.
+- ``autodiff``: whether the framework differentiates through ``attend`` (torch, JAX); the
+  planner then keeps the dense path only while what it would save for backward is small.
+- ``blockwise(call, ...)``: the blockwise path's forward, differentiable with the
+  blockwise backward through the framework's custom-gradient mechanism (torch: an
+  ``autograd.Function``; JAX: a ``custom_vjp`` over ``lax.scan``); by default the
+  array-API forward of :mod:`portable_attention._blockwise` (no autodiff to hook).
+- ``blockwise_backward(call, ...)``: that backward (``attend_backward``); by default the
+  array-API one.
 
 Both kernels are :class:`Kernel` objects. The planner asks ``reason(call)`` (why the
 kernel cannot run the call; None: it can) and, for ``auto`` only, ``auto_reason(call)``
@@ -28,6 +40,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from portable_attention import _blockwise
+from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._core import KeepMask
 from portable_attention._spec import Call
 
@@ -75,10 +89,65 @@ class Adapter(ABC):
     rng: ClassVar[str]
     fused: Kernel | None = None
     native: Kernel | None = None
+    #: Whether this framework's autodiff differentiates through ``attend``: its dense
+    #: path would save the probabilities ``[..., Lq, Lk]`` for backward.
+    autodiff: ClassVar[bool] = False
 
     @abstractmethod
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         """The keep-mask drawer of ``rng`` (checked here, even where it goes unused)."""
+
+    @abstractmethod
+    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> BlockKeep:
+        """The blockwise path's keep masks from ``rng``: one per block number, the same
+        mask each time a block is asked for. A stateful generator is read once, here (it
+        advances, so the next call draws other masks); a generator in the same state (one
+        made again from the same seed, or the same JAX key) gives the same masks."""
+
+    def blockwise(
+        self,
+        call: Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: BlockKeep | None,
+    ) -> tuple[Any, Any]:
+        """``(out, lse)`` of the blockwise path, differentiable by this framework's
+        autodiff with :meth:`blockwise_backward` as the gradient (where it has one)."""
+        return _blockwise.forward(call, q, k, v, mask, bias, keep, scores=self.scores(call.xp))
+
+    def blockwise_backward(
+        self,
+        call: Call,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        mask: Any,
+        bias: Any,
+        keep: BlockKeep | None,
+        dlse: Any,
+    ) -> Grads:
+        """The blockwise backward (FlashAttention-2's) of the call, from ``out`` and
+        ``lse``; ``keep`` replays :meth:`blockwise`'s dropout."""
+        return _blockwise.backward(
+            call,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            mask,
+            bias,
+            keep,
+            dlse=dlse,
+            scores=self.scores(call.xp),
+        )
 
     def scores(self, xp: Any) -> Callable[[Any, Any], Any] | None:
         """``q @ k^T`` for ``xp``'s arrays where this framework has a faster formulation;

@@ -10,6 +10,7 @@ from typing import Any
 import cupy
 
 from portable_attention import _core, _spec
+from portable_attention._blockwise import BlockKeep
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
 
@@ -29,6 +30,29 @@ def _keep_mask(rng: Any, p: float, device: Any) -> Any:
             if isinstance(state, cupy.random.Generator):
                 return state.random(shape, dtype=cupy.float32) >= p
             return state.random_sample(shape, dtype=cupy.float32) >= p
+
+    return draw
+
+
+def _block_keep(rng: Any, p: float, device: Any) -> BlockKeep:
+    """The blockwise path's keep masks on the arrays' GPU: one seed read from ``rng`` (or
+    that GPU's global random state) now, then block ``b``'s mask from a generator seeded
+    with a mix of the seed and ``b``, so the backward draws each block's mask again.
+    **Not yet run on a GPU.**"""
+    if rng is not None and not isinstance(rng, (cupy.random.Generator, cupy.random.RandomState)):
+        raise _spec.rng_type_error(NAME, RNG, rng)
+    with device:
+        state = cupy.random.get_random_state() if rng is None else rng
+        if isinstance(state, cupy.random.Generator):
+            uniform = state.random(dtype=cupy.float64)
+        else:
+            uniform = state.random_sample(dtype=cupy.float64)
+        seed = int(float(uniform) * 2**53)
+
+    def draw(block: Any, shape: tuple[int, ...]) -> Any:
+        with device:
+            block_state = cupy.random.RandomState(seed=(seed * 1_000_003 + int(block)) % 2**63)
+            return block_state.random_sample(shape, dtype=cupy.float32) >= p
 
     return draw
 
@@ -97,6 +121,9 @@ class CupyAdapter(Adapter):
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return _keep_mask(rng, p, device)
+
+    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> BlockKeep:
+        return _block_keep(rng, p, device)
 
 
 ADAPTER = CupyAdapter()

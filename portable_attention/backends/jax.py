@@ -1,16 +1,22 @@
-"""JAX: ``jax.nn.dot_product_attention`` as the fused path, and dropout from a PRNG key,
-which is required (JAX has no global RNG)."""
+"""JAX: ``jax.nn.dot_product_attention`` as the fused path, dropout from a PRNG key,
+which is required (JAX has no global RNG), and the blockwise path as a ``jax.custom_vjp``
+whose forward and backward each loop with one ``lax.scan`` over the static list of
+(query block, key block) pairs that ``causal``/``window`` leave: the program holds one
+block's code whatever L is, and skipped blocks cost nothing."""
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from portable_attention import _core, _spec
+from portable_attention import _blockwise, _core, _spec
+from portable_attention._blockwise import Grads
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
 
@@ -63,6 +69,34 @@ def _keep_mask(rng: Any, p: float) -> Any:
         return jax.random.bernoulli(key, 1.0 - p, shape)
 
     return draw
+
+
+#: Folded into the caller's key for the blockwise path's per-block keys (another stream
+#: than the chunk-by-chunk draws of ``_keep_mask``).
+_BLOCKWISE_STREAM = 0xB10C_3EEB
+
+
+@dataclass(frozen=True)
+class KeyedKeep:
+    """The blockwise path's keep masks (a ``_blockwise.BlockKeep``): block ``b``'s is
+    ``bernoulli(fold_in(fold_in(key, stream), b))``, ``b`` a Python int or a traced
+    integer. The key travels as an array through ``custom_vjp`` and ``lax.scan``."""
+
+    key: Any
+    p: float
+
+    def __call__(self, block: Any, shape: tuple[int, ...]) -> Any:
+        return _block_mask(self.key, self.p, block, shape)
+
+
+def _block_mask(key: Any, p: float, block: Any, shape: tuple[int, ...]) -> Any:
+    block_key = jax.random.fold_in(jax.random.fold_in(key, _BLOCKWISE_STREAM), block)
+    return jax.random.bernoulli(block_key, 1.0 - p, shape)
+
+
+def _block_keep(rng: Any, p: float) -> KeyedKeep:
+    _keep_mask(rng, p)  # the same checks
+    return KeyedKeep(rng, p)
 
 
 def _platform(call: _spec.Call) -> str:
@@ -205,8 +239,11 @@ def _native_reason(call: _spec.Call) -> str | None:
         return "dropout draws one keep mask for the whole score matrix"
     if call.q_shape[-2] < LONG_QUERIES or call.k_shape[-2] == 0:
         return f"under {LONG_QUERIES} queries (or no keys) blocks do not pay"
-    if _core.dense_bytes(call) > _core.DENSE_LIMIT_BYTES:
-        return "the whole mask would be large: the chunked path blocks keys too"
+    if _core.dense_bytes(call) > _core.SAVED_LIMIT_BYTES:
+        return (
+            f"over {_core.SAVED_LIMIT_BYTES >> 20} MiB of dense scores, whose probabilities "
+            "autodiff would save for backward"
+        )
     return None
 
 
@@ -288,6 +325,323 @@ def _unblock(x: Any, axis: int) -> Any:
     )
 
 
+# ------------------------------------------------------------------------------------------
+# The blockwise path: one lax.scan over the static list of blocks, forward and backward.
+
+
+def _pad_rows(x: Any, length: int, axis: int, value: float | bool) -> Any:
+    """``x`` padded with ``value`` to ``length`` along ``axis`` (counted from the end)."""
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[x.ndim + axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _slice(x: Any, start: Any, size: int, axis: int) -> Any:
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
+
+
+def _add_at(x: Any, update: Any, start: Any, axis: int) -> Any:
+    """``x`` with ``update`` added to its rows ``start:start+len`` along ``axis``."""
+    size = update.shape[axis]
+    return jax.lax.dynamic_update_slice_in_dim(
+        x, _slice(x, start, size, axis) + update, start, axis=x.ndim + axis
+    )
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The padded block grid of a call: ``size``-row blocks, ``nq x nk`` of them."""
+
+    call: _spec.Call
+    size: int
+
+    @property
+    def lq(self) -> int:
+        return self.call.q_shape[-2]
+
+    @property
+    def lk(self) -> int:
+        return self.call.k_shape[-2]
+
+    @property
+    def nq(self) -> int:
+        return _blockwise.grid(self.call, self.size)[0]
+
+    @property
+    def nk(self) -> int:
+        return _blockwise.grid(self.call, self.size)[1]
+
+    def pairs(self, *, by_keys: bool) -> Any:
+        """The blocks to compute as an int32 ``[n, 2]`` array of ``(qi, ki)``."""
+        todo = _blockwise.pairs(self.call, self.size)
+        if by_keys:
+            todo = sorted(todo, key=lambda pair: (pair[1], pair[0]))
+        return np.asarray(todo, dtype=np.int32).reshape(len(todo), 2)
+
+
+def _padded_operands(g: _Grid, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
+    """``_core.operands`` padded to whole blocks: padded keys are masked below, padded
+    query rows dropped at the end. A mask/bias axis of length 1 is left to broadcast."""
+    ops = _core.operands(g.call, q, k, v, mask, bias)
+    lqp, lkp = g.nq * g.size, g.nk * g.size
+
+    def scores_operand(x: Any, value: float | bool) -> Any:
+        if x is None:
+            return None
+        if x.shape[-2] != 1:
+            x = _pad_rows(x, lqp, -2, value)
+        if x.shape[-1] != 1:
+            x = _pad_rows(x, lkp, -1, value)
+        return x
+
+    return _core.Operands(
+        q=_pad_rows(ops.q, lqp, -2, 0.0),
+        k=_pad_rows(ops.k, lkp, -2, 0.0),
+        v=_pad_rows(ops.v, lkp, -2, 0.0),
+        mask=scores_operand(ops.mask, False),
+        bias=scores_operand(ops.bias, 0.0),
+    )
+
+
+def _operand_block(x: Any, r0: Any, c0: Any, size: int) -> Any:
+    """The block at ``(r0, c0)`` of a padded mask/bias (axes of length 1 kept)."""
+    if x is None:
+        return None
+    if x.shape[-2] != 1:
+        x = _slice(x, r0, size, -2)
+    if x.shape[-1] != 1:
+        x = _slice(x, c0, size, -1)
+    return x
+
+
+def _block_scores(g: _Grid, ops: Any, qi: Any, ki: Any) -> tuple[Any, Any, Any, Any]:
+    """``(s, tanh or None, k block, v block)`` of block ``(qi, ki)``: the masked scores
+    (``causal``/``window`` and padded keys from the block's traced offsets)."""
+    call, size = g.call, g.size
+    r0, c0 = qi * size, ki * size
+    qb = _slice(ops.q, r0, size, -2)
+    kb = _slice(ops.k, c0, size, -2)
+    vb = _slice(ops.v, c0, size, -2)
+    s = _scores(qb, kb)
+    t = None
+    if call.softcap is not None:
+        t = jnp.tanh(s / call.softcap)
+        s = call.softcap * t
+    if ops.bias is not None:
+        s = s + _operand_block(ops.bias, r0, c0, size)
+    allow = _operand_block(ops.mask, r0, c0, size)
+    rows = r0 + jnp.arange(size)[:, None]
+    cols = c0 + jnp.arange(size)[None, :]
+    band = None
+    if not _core.band_keeps_all(call):
+        left, right = _core.window_sides(call)
+        offset = g.lk - g.lq if call.align == "lower_right" else 0
+        distance = cols - (rows + offset)
+        if left is not None:
+            band = distance >= -min(left, g.lq + g.lk)
+        if right is not None:
+            upper = distance <= min(right, g.lq + g.lk)
+            band = upper if band is None else band & upper
+    if g.lk % size:
+        real = cols < g.lk
+        band = real if band is None else band & real
+    if band is not None:
+        allow = band if allow is None else allow & band
+    if allow is not None:
+        s = jnp.where(allow, s, -jnp.inf)
+    return s, t, kb, vb
+
+
+def _scan_forward(
+    g: _Grid, q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any
+) -> tuple[Any, Any]:
+    """``(out, lse)`` of the blockwise forward: one scan over the blocks, the running max,
+    sum and output of every query row in the carry."""
+    call = g.call
+    if g.lq == 0 or g.lk == 0:
+        out, _, lse = _core._empty_keys(call, q, k, v)
+        return out, lse
+    ops = _padded_operands(g, q, k, v, mask, bias)
+    ct = call.compute_dtype
+    lead = ops.q.shape[:-1]
+    init = (
+        jnp.zeros((*lead, call.v_shape[-1]), ct),
+        jnp.full((*lead, 1), -jnp.inf, ct),
+        jnp.zeros((*lead, 1), ct),
+    )
+
+    def step(carry: Any, pair: Any) -> Any:
+        acc, m, total = carry
+        qi, ki = pair[0], pair[1]
+        r0 = qi * g.size
+        s, _, _, vb = _block_scores(g, ops, qi, ki)
+        m_old = _slice(m, r0, g.size, -2)
+        m_new = jnp.maximum(m_old, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        e = jnp.exp(s - m_safe)
+        rescale = jnp.exp(m_old - m_safe)
+        t_old = _slice(total, r0, g.size, -2)
+        t_new = rescale * t_old + jnp.sum(e, axis=-1, keepdims=True)
+        if key is not None:
+            kept = _block_mask(key, call.dropout, _blockwise.block_number(qi, ki, g.nk), e.shape)
+            e = jnp.where(kept, e / (1.0 - call.dropout), 0.0)
+        a_new = rescale * _slice(acc, r0, g.size, -2) + jnp.einsum("...qk,...kd->...qd", e, vb)
+        update = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=r0)
+        return (
+            update(acc, a_new, axis=acc.ndim - 2),
+            update(m, m_new, axis=m.ndim - 2),
+            update(total, t_new, axis=total.ndim - 2),
+        ), None
+
+    (acc, m, total), _ = jax.lax.scan(step, init, g.pairs(by_keys=False))
+    acc, m, total = acc[..., : g.lq, :], m[..., : g.lq, :], total[..., : g.lq, :]
+    has_key = total != 0
+    total_safe = jnp.where(has_key, total, 1.0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = jnp.where(has_key, jnp.log(total_safe) + m_safe, -jnp.inf)[..., 0]
+    return _core._finish(call, acc / total_safe, lse)
+
+
+def _scan_backward(
+    g: _Grid,
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    mask: Any,
+    bias: Any,
+    key: Any,
+    dlse: Any,
+) -> Grads:
+    """The blockwise backward: one scan over the blocks (key block by key block), dq, dk,
+    dv (and dbias) in the carry."""
+    call = g.call
+    if g.lq == 0 or g.lk == 0:
+        dbias0 = None if bias is None else jnp.zeros_like(bias)
+        return Grads(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias0)
+    ops = _padded_operands(g, q, k, v, mask, bias)
+    lqp = g.nq * g.size
+    dv_size = call.v_shape[-1]
+    do = _pad_rows(_blockwise.grouped(call, dout, last=dv_size), lqp, -2, 0.0)
+    delta = jnp.sum(do * _pad_rows(_blockwise.grouped(call, out, last=dv_size), lqp, -2, 0.0), -1)
+    if dlse is not None:
+        delta = delta - _pad_rows(_blockwise.grouped(call, dlse, last=None), lqp, -1, 0.0)
+    lse_g = _blockwise.grouped(call, lse, last=None)
+    lse_g = _pad_rows(jnp.where(lse_g == -jnp.inf, jnp.inf, lse_g), lqp, -1, jnp.inf)
+    ct = call.compute_dtype
+    init = [jnp.zeros(ops.q.shape, ct), jnp.zeros(ops.k.shape, ct), jnp.zeros(ops.v.shape, ct)]
+    if ops.bias is not None:
+        init.append(jnp.zeros(ops.bias.shape, ct))
+    grouped = call.grouped
+
+    def kv_grad(x: Any, y: Any) -> Any:
+        """``x^T @ y`` summed over the query heads of each K/V head (``[..., Hk, 1, k, d]``)."""
+        if not grouped:
+            return jnp.einsum("...qk,...qd->...kd", x, y)
+        return jnp.einsum("...gqk,...gqd->...kd", x, y)[..., None, :, :]
+
+    def step(carry: Any, pair: Any) -> Any:
+        qi, ki = pair[0], pair[1]
+        r0, c0 = qi * g.size, ki * g.size
+        s, t, kb, vb = _block_scores(g, ops, qi, ki)
+        qb = _slice(ops.q, r0, g.size, -2)
+        dob = _slice(do, r0, g.size, -2)
+        p = jnp.exp(s - _slice(lse_g, r0, g.size, -1)[..., None])
+        dp = jnp.einsum("...qd,...kd->...qk", dob, vb)
+        p_used = p
+        if key is not None:
+            kept = _block_mask(key, call.dropout, _blockwise.block_number(qi, ki, g.nk), p.shape)
+            p_used = jnp.where(kept, p / (1.0 - call.dropout), 0.0)
+            dp = jnp.where(kept, dp / (1.0 - call.dropout), 0.0)
+        ds = p * (dp - _slice(delta, r0, g.size, -1)[..., None])
+        new = list(carry)
+        if ops.bias is not None:
+            shape = ops.bias.shape
+            target = (
+                *shape[:-2],
+                g.size if shape[-2] != 1 else 1,
+                g.size if shape[-1] != 1 else 1,
+            )
+            db = _blockwise._reduce_to(jnp, ds, target)
+            dbias = new[3]
+            if shape[-2] != 1:
+                dbias = jax.lax.dynamic_update_slice_in_dim(
+                    dbias,
+                    _add_at(_slice(dbias, r0, g.size, -2), db, c0, -1)
+                    if shape[-1] != 1
+                    else _slice(dbias, r0, g.size, -2) + db,
+                    r0,
+                    axis=dbias.ndim - 2,
+                )
+            elif shape[-1] != 1:
+                dbias = _add_at(dbias, db, c0, -1)
+            else:
+                dbias = dbias + db
+            new[3] = dbias
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        new[0] = _add_at(new[0], jnp.einsum("...qk,...kd->...qd", ds, kb), r0, -2)
+        new[1] = _add_at(new[1], kv_grad(ds, qb), c0, -2)
+        new[2] = _add_at(new[2], kv_grad(p_used, dob), c0, -2)
+        return tuple(new), None
+
+    carry, _ = jax.lax.scan(step, tuple(init), g.pairs(by_keys=True))
+    dq = carry[0][..., : g.lq, :] * call.scale
+    dk, dv = carry[1][..., : g.lk, :], carry[2][..., : g.lk, :]
+    dbias = None
+    if bias is not None:
+        dbias = carry[3]
+        if dbias.shape[-2] != 1:
+            dbias = dbias[..., : g.lq, :]
+        if dbias.shape[-1] != 1:
+            dbias = dbias[..., : g.lk]
+        dbias = jnp.reshape(dbias, bias.shape).astype(bias.dtype)
+    dq, dk, dv = (jnp.reshape(d, x.shape).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v)))
+    return Grads(dq, dk, dv, dbias)
+
+
+@functools.lru_cache(maxsize=64)
+def _blockwise_fn(call: _spec.Call) -> Any:
+    """The blockwise path of a call as a jitted ``custom_vjp`` of
+    ``(q, k, v, mask, bias, key) -> (out, lse)`` (cached: a Call is hashable)."""
+    g = _Grid(call, _blockwise.block_size(call))
+
+    @jax.custom_vjp
+    def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any) -> Any:
+        return _scan_forward(g, q, k, v, mask, bias, key)
+
+    def fwd(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any) -> Any:
+        out, lse = _scan_forward(g, q, k, v, mask, bias, key)
+        return (out, lse), (q, k, v, mask, bias, key, out, lse)
+
+    def bwd(res: Any, cotangents: Any) -> Any:
+        q, k, v, mask, bias, key, out, lse = res
+        dout, dlse = cotangents
+        grads = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse)
+        return grads.dq, grads.dk, grads.dv, None, grads.dbias, None
+
+    run.defvjp(fwd, bwd)
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=64)
+def _backward_fn(call: _spec.Call) -> Any:
+    """``attend_backward`` of a call, jitted (cached: a Call is hashable)."""
+    g = _Grid(call, _blockwise.block_size(call))
+    return jax.jit(functools.partial(_scan_backward, g))
+
+
+def _key_of(keep: Any) -> Any:
+    """The PRNG key of this adapter's keep masks (None without dropout)."""
+    assert keep is None or isinstance(keep, KeyedKeep)
+    return None if keep is None else keep.key
+
+
 class DotProductAttention(Kernel):
     """``jax.nn.dot_product_attention`` (cuDNN on GPU where it qualifies)."""
 
@@ -332,9 +686,44 @@ class JaxAdapter(Adapter):
     rng = RNG
     fused = DotProductAttention()
     native = QueryBlocks()
+    autodiff = True
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return _keep_mask(rng, p)
+
+    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> KeyedKeep:
+        return _block_keep(rng, p)
+
+    def blockwise(
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+    ) -> tuple[Any, Any]:
+        out, lse = _blockwise_fn(call)(q, k, v, mask, bias, _key_of(keep))
+        return out, lse
+
+    def blockwise_backward(
+        self,
+        call: _spec.Call,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+        dlse: Any,
+    ) -> Grads:
+        backward = _backward_fn(call)
+        grads: Grads = backward(dout, q, k, v, out, lse, mask, bias, _key_of(keep), dlse)
+        return grads
 
     def scores(self, xp: Any) -> Any:
         return _scores

@@ -38,7 +38,7 @@ import numpy as np
 from portable_attention import _core, _spec
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
-from portable_attention.backends.generic import numpy_keep_mask
+from portable_attention.backends.generic import numpy_block_keep, numpy_keep_mask
 
 #: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
 #: blocks measured faster here (L=16384: 7.3 s at 4M scores per block, 15.4 s at 1M).
@@ -167,6 +167,9 @@ class NumpyAdapter(Adapter):
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return numpy_keep_mask(xp.__name__, self.rng, rng, p, xp, device)
+
+    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> Any:
+        return numpy_block_keep(xp.__name__, self.rng, rng, p, xp, device)
 
 
 ADAPTER = NumpyAdapter()

@@ -1,5 +1,8 @@
-"""PyTorch: ``torch.nn.functional.scaled_dot_product_attention`` as the fused path, and
-dropout from a ``torch.Generator`` (torch's global RNG when None)."""
+"""PyTorch: ``torch.nn.functional.scaled_dot_product_attention`` as the fused path,
+dropout from a ``torch.Generator`` (torch's global RNG when None), and the blockwise path
+as a ``torch.autograd.Function`` whose backward is the blockwise backward of
+:mod:`portable_attention._blockwise` (it saves q, k, v, out and lse, never the
+probabilities)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_attention import _core, _spec
+from portable_attention import _blockwise, _core, _spec
+from portable_attention._blockwise import BlockKeep
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
 
@@ -33,6 +37,73 @@ def _keep_mask(rng: Any, p: float, device: Any) -> Any:
         return torch.rand(shape, generator=rng, device=device) >= p
 
     return draw
+
+
+#: Spreads block numbers over the 63-bit seeds of the per-block generators (2**64 / phi).
+_GOLDEN = 0x9E37_79B9_7F4A_7C15
+
+
+def _block_keep(rng: Any, p: float, device: Any) -> BlockKeep:
+    """The blockwise path's keep masks: one seed drawn from ``rng`` (torch's global RNG when
+    None) now, then block ``b``'s mask from a generator on ``device`` seeded with the seed
+    and ``b``, so the backward draws each block's mask again."""
+    _keep_mask(rng, p, device)  # the same checks
+    where = rng.device if rng is not None else device
+    seed = int(torch.randint(0, 2**62, (1,), generator=rng, device=where).item())
+
+    def draw(block: Any, shape: tuple[int, ...]) -> Any:
+        gen = torch.Generator(device=device)
+        gen.manual_seed((seed + int(block) * _GOLDEN) % 2**63)
+        return torch.rand(shape, generator=gen, device=device) >= p
+
+    return draw
+
+
+class BlockwiseFunction(torch.autograd.Function):
+    """The blockwise path: forward ``_blockwise.forward`` (out, lse), backward
+    ``_blockwise.backward`` from the saved q, k, v, out and lse (the probabilities are
+    recomputed block by block; dropout's masks drawn again from the same ``keep``).
+
+    The backward is made of differentiable torch operations, so a double backward
+    (``create_graph=True``) records it and differentiates it again; that graph holds the
+    recomputed blocks (``O(Lq * Lk)`` memory, as the dense path).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        call: _spec.Call,
+        keep: BlockKeep | None,
+    ) -> tuple[Any, Any]:
+        out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep)
+        ctx.save_for_backward(q, k, v, out, lse, mask, bias)
+        ctx.call = call
+        ctx.keep = keep
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
+        q, k, v, out, lse, mask, bias = ctx.saved_tensors
+        grads = _blockwise.backward(
+            ctx.call,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            mask,
+            bias,
+            ctx.keep,
+            dlse=dlse,
+            want_dbias=bias is not None and ctx.needs_input_grad[4],
+        )
+        return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None
 
 
 def fused_reason(call: _spec.Call) -> str | None:
@@ -125,9 +196,26 @@ class TorchAdapter(Adapter):
     name = NAME
     rng = RNG
     fused = ScaledDotProductAttention()
+    autodiff = True
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return _keep_mask(rng, p, device)
+
+    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> BlockKeep:
+        return _block_keep(rng, p, device)
+
+    def blockwise(
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: BlockKeep | None,
+    ) -> tuple[Any, Any]:
+        out, lse = BlockwiseFunction.apply(q, k, v, mask, bias, call, keep)
+        return out, lse
 
     def tracing(self) -> bool:
         return bool(torch.compiler.is_compiling())

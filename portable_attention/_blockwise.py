@@ -1,0 +1,361 @@
+"""The blockwise path: FlashAttention-2's forward and backward over query and key blocks.
+
+Array-API only, as :mod:`portable_attention._core` (no framework code, no in-place writes,
+no boolean indexing, Python branching on static shapes only). Both passes walk the same
+static grid of ``size x size`` blocks (:func:`block_size`) and skip the blocks that
+``causal``/``window`` mask entirely (:func:`pairs`):
+
+- :func:`forward`: the online softmax (running max and sum) of every query block over its
+  key blocks; returns ``(out, lse)``. Peak memory ``O(Lq * Dv + size**2)`` per head.
+- :func:`backward`: gradients from ``q, k, v, out, lse, dout`` alone, the probabilities of
+  each block recomputed as ``exp(s - lse)``: ``delta = rowsum(dout * out)``,
+  ``dv += p^T dout``, ``dp = dout v^T``, ``ds = p * (dp - delta)``, softcap's derivative,
+  ``dq += scale * ds k``, ``dk += scale * ds^T q`` (and ``dbias``, ``ds`` summed to the
+  bias's shape). Peak memory ``O((Lq + Lk) * D + size**2)`` per head (plus ``dbias``,
+  the size of the bias). Grouped-query heads are summed over their group without copying
+  K/V; rows with no key get zero, finite gradients.
+
+Dropout draws one keep mask per block from a :data:`BlockKeep`, a deterministic function
+of the user's ``rng`` and the block's number (``qi * n_key_blocks + ki``) that each
+framework's adapter makes (``Adapter.block_keep``): the backward draws the same masks as
+the forward, block by block, and never stores them.
+
+The decomposition is exact for key shards: with the *global* ``out`` and ``lse`` of the
+query rows, the gradients of each shard of K/V (and the shard's contribution to ``dq``)
+are those of the whole call restricted to it, so sequence parallelism can call
+:func:`backward` per shard and sum the ``dq``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from portable_attention import _core
+from portable_attention._checks import is_kind, shape_of
+from portable_attention._core import Scores, allowed, block_of, operands
+from portable_attention._spec import Call, check_arrays
+
+#: ``keep(block, shape) -> bool array``: block ``block``'s dropout keep mask for a block of
+#: scores of ``shape``, the same array for the same block every time it is asked (the
+#: forward and the backward draw it alike). ``block`` is a Python int, or a traced integer
+#: scalar inside a compiled loop (JAX's ``lax.scan``).
+BlockKeep = Callable[[Any, tuple[int, ...]], Any]
+
+
+class Grads(NamedTuple):
+    """Gradients of a loss with respect to the inputs of ``attend``.
+
+    Attributes
+    ----------
+    dq, dk, dv : array
+        Shaped and typed as ``q``, ``k`` and ``v``.
+    dbias : array or None
+        Shaped and typed as ``bias`` (the gradient summed over the axes the bias
+        broadcasts along); None where no bias was given.
+    """
+
+    dq: Any
+    dk: Any
+    dv: Any
+    dbias: Any
+
+
+def block_size(call: Call) -> int:
+    """The block length of both passes: ``chunk_size``, else :func:`_core.auto_chunk`."""
+    return call.chunk_size or _core.auto_chunk(call)
+
+
+def grid(call: Call, size: int) -> tuple[int, int]:
+    """Numbers of query and key blocks of ``size`` (the last ones may be shorter)."""
+    return -(-call.q_shape[-2] // size), -(-call.k_shape[-2] // size)
+
+
+def span(length: int, size: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of block ``index`` of ``size`` on an axis of ``length``."""
+    return index * size, min((index + 1) * size, length)
+
+
+def pairs(call: Call, size: int) -> list[tuple[int, int]]:
+    """The ``(query block, key block)`` pairs that ``causal``/``window`` leave, query
+    block by query block (a static list: it depends on shapes and options only)."""
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    nq, nk = grid(call, size)
+    return [
+        (qi, ki)
+        for qi in range(nq)
+        for ki in range(nk)
+        if not _core._block_is_empty(call, span(lq, size, qi), span(lk, size, ki))
+    ]
+
+
+def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:
+    """The number of block ``(qi, ki)`` that dropout's keep masks are drawn for."""
+    return qi * n_key_blocks + ki
+
+
+def _dropped(xp: Any, x: Any, keep: Any, p: float) -> Any:
+    return xp.where(keep, x / (1.0 - p), 0.0)
+
+
+def forward(
+    call: Call,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    bias: Any = None,
+    keep: BlockKeep | None = None,
+    *,
+    scores: Scores | None = None,
+) -> tuple[Any, Any]:
+    """Online-softmax attention over the blocks of :func:`pairs`; returns ``(out, lse)``.
+
+    ``out [..., Hq, Lq, Dv]`` in the input dtype, ``lse [..., Hq, Lq]`` in the compute
+    dtype, as :func:`_core.dense`. ``keep``: dropout's keep masks, one per block.
+    """
+    if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
+        out, _, lse = _core._empty_keys(call, q, k, v)
+        return out, lse
+    xp, ct, dev = call.xp, call.compute_dtype, call.device
+    ops = operands(call, q, k, v, mask, bias)
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    size = block_size(call)
+    nk = grid(call, size)[1]
+    todo = pairs(call, size)
+    out_blocks, lse_blocks = [], []
+    for qi in range(grid(call, size)[0]):
+        rows = span(lq, size, qi)
+        lead = (*ops.q.shape[:-2], rows[1] - rows[0])
+        m = xp.full((*lead, 1), -xp.inf, dtype=ct, device=dev)
+        total = xp.zeros((*lead, 1), dtype=ct, device=dev)
+        acc = xp.zeros((*lead, call.v_shape[-1]), dtype=ct, device=dev)
+        for ki in (ki for qj, ki in todo if qj == qi):
+            cols = span(lk, size, ki)
+            s = _core._masked_scores(call, ops, rows, cols, whole=False, scores=scores)
+            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+            m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
+            e = xp.exp(s - m_safe)
+            rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
+            total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
+            if keep is not None:
+                e = _dropped(xp, e, keep(block_number(qi, ki, nk), tuple(e.shape)), call.dropout)
+            acc = rescale * acc + xp.matmul(e, ops.v[..., cols[0] : cols[1], :])
+            m = m_new
+        has_key = total != 0  # NaN rows keep NaN, as in dense
+        total_safe = xp.where(has_key, total, 1.0)
+        m_safe = xp.where(xp.isfinite(m), m, 0.0)
+        out_blocks.append(acc / total_safe)
+        lse_blocks.append(xp.where(has_key, xp.log(total_safe) + m_safe, -xp.inf)[..., 0])
+    out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
+    lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
+    return _core._finish(call, out, lse)
+
+
+def grouped(call: Call, x: Any, *, last: int | None) -> Any:
+    """An array of the output's rows, ``[..., Hq, Lq(, last)]``, in the compute dtype with
+    its heads split as ``operands`` splits q's (``[..., Hk, G, Lq(, last)]``)."""
+    xp = call.xp
+    shape = (*call.q_shape[:-1], *(() if last is None else (last,)))
+    if len(call.q_shape) == 2:
+        shape = (1, *shape)
+    if call.grouped:
+        hq, hk = call.q_shape[-3], call.k_shape[-3]
+        tail = shape[len(call.q_shape) - 2 :]
+        shape = (*shape[: len(call.q_shape) - 3], hk, hq // hk, *tail)
+    x = xp.reshape(x, shape)
+    return x if x.dtype == call.compute_dtype else xp.astype(x, call.compute_dtype)
+
+
+def _sum_group(call: Call, x: Any) -> Any:
+    """``[..., Hk, G, L, D] -> [..., Hk, 1, L, D]``: the query heads of a K/V head summed."""
+    return call.xp.sum(x, axis=-3, keepdims=True) if call.grouped else x
+
+
+def _reduce_to(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
+    """``x`` summed over the axes where ``shape`` has 1 and ``x`` does not (keepdims)."""
+    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape, strict=True)) if b == 1 != a)
+    return xp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def backward(
+    call: Call,
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    mask: Any = None,
+    bias: Any = None,
+    keep: BlockKeep | None = None,
+    *,
+    dlse: Any = None,
+    want_dbias: bool = True,
+    scores: Scores | None = None,
+) -> Grads:
+    """FlashAttention-2's backward over the blocks of :func:`pairs` (see the module).
+
+    ``out`` and ``lse`` are the forward's (or, for a shard of K/V, those of the whole
+    call); ``dlse`` the loss's gradient with respect to ``lse`` where it uses it. ``keep``
+    must draw the forward's masks. ``want_dbias=False`` skips ``dbias`` (None then).
+    Returns :class:`Grads` in the inputs' dtypes and shapes.
+    """
+    xp = call.xp
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    dbias_wanted = bias is not None and want_dbias
+    if lq == 0 or lk == 0:
+        return Grads(
+            xp.zeros_like(q),
+            xp.zeros_like(k),
+            xp.zeros_like(v),
+            xp.zeros_like(bias) if dbias_wanted else None,
+        )
+    ops = operands(call, q, k, v, mask, bias)
+    do = grouped(call, dout, last=call.v_shape[-1])
+    delta = xp.sum(do * grouped(call, out, last=call.v_shape[-1]), axis=-1)
+    if dlse is not None:  # d lse / d s = p: ds = p * (dp - (delta - dlse))
+        delta = delta - grouped(call, dlse, last=None)
+    # Rows with no key (lse = -inf): +inf makes every p = exp(s - inf) = 0 (NaN stays NaN).
+    lse_g = grouped(call, lse, last=None)
+    lse_g = xp.where(lse_g == -xp.inf, xp.inf, lse_g)
+    size = block_size(call)
+    nq, nk = grid(call, size)
+    todo = pairs(call, size)
+    bias_shape = tuple(ops.bias.shape) if dbias_wanted else ()
+    dq_blocks: dict[int, Any] = {}
+    dk_blocks: list[Any] = []
+    dv_blocks: list[Any] = []
+    db_blocks: dict[tuple[int, int], Any] = {}
+    for ki in range(nk):
+        cols = span(lk, size, ki)
+        kb = ops.k[..., cols[0] : cols[1], :]
+        vb = ops.v[..., cols[0] : cols[1], :]
+        dk_b = dv_b = None
+        for qi in (qi for qi, kj in todo if kj == ki):
+            rows = span(lq, size, qi)
+            qb = ops.q[..., rows[0] : rows[1], :]
+            dob = do[..., rows[0] : rows[1], :]
+            s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
+            t = None
+            if call.softcap is not None:
+                t = xp.tanh(s / call.softcap)
+                s = call.softcap * t
+            if ops.bias is not None:
+                s = s + block_of(ops.bias, rows, cols)
+            allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+            if allow is not None:
+                s = xp.where(allow, s, -xp.inf)
+            p = xp.exp(s - lse_g[..., rows[0] : rows[1], None])
+            dp = xp.matmul(dob, xp.matrix_transpose(vb))
+            p_used = p
+            if keep is not None:
+                kept = keep(block_number(qi, ki, nk), tuple(p.shape))
+                p_used = _dropped(xp, p, kept, call.dropout)
+                dp = _dropped(xp, dp, kept, call.dropout)
+            dv_new = _sum_group(call, xp.matmul(xp.matrix_transpose(p_used), dob))
+            dv_b = dv_new if dv_b is None else dv_b + dv_new
+            ds = p * (dp - delta[..., rows[0] : rows[1], None])
+            if dbias_wanted:
+                key = (qi if bias_shape[-2] != 1 else 0, ki if bias_shape[-1] != 1 else 0)
+                target = (
+                    *bias_shape[:-2],
+                    rows[1] - rows[0] if bias_shape[-2] != 1 else 1,
+                    cols[1] - cols[0] if bias_shape[-1] != 1 else 1,
+                )
+                db = _reduce_to(xp, ds, target)
+                db_blocks[key] = db if key not in db_blocks else db_blocks[key] + db
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            dq_new = xp.matmul(ds, kb)
+            dq_blocks[qi] = dq_new if qi not in dq_blocks else dq_blocks[qi] + dq_new
+            dk_new = _sum_group(call, xp.matmul(xp.matrix_transpose(ds), qb))
+            dk_b = dk_new if dk_b is None else dk_b + dk_new
+        width = cols[1] - cols[0]
+        dk_blocks.append(dk_b if dk_b is not None else _zeros(call, ops.k, width))
+        dv_blocks.append(dv_b if dv_b is not None else _zeros(call, ops.v, width))
+    dq_list = [
+        dq_blocks[qi] if qi in dq_blocks else _zeros(call, ops.q, span(lq, size, qi)[1] - qi * size)
+        for qi in range(nq)
+    ]
+    dq = _concat(xp, dq_list, axis=-2) * call.scale
+    dk = _concat(xp, dk_blocks, axis=-2)
+    dv = _concat(xp, dv_blocks, axis=-2)
+    dbias = None
+    if dbias_wanted:
+        dbias = _assemble_dbias(call, db_blocks, bias_shape, size)
+        dbias = xp.astype(xp.reshape(dbias, shape_of(bias)), bias.dtype, copy=False)
+    return Grads(_as_input(call, dq, q), _as_input(call, dk, k), _as_input(call, dv, v), dbias)
+
+
+def _zeros(call: Call, like: Any, length: int) -> Any:
+    """Zeros of ``like``'s shape with ``length`` rows (a block no pair touched)."""
+    shape = (*like.shape[:-2], length, like.shape[-1])
+    return call.xp.zeros(shape, dtype=call.compute_dtype, device=call.device)
+
+
+def _concat(xp: Any, blocks: list[Any], *, axis: int) -> Any:
+    return blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=axis)
+
+
+def _as_input(call: Call, grad: Any, x: Any) -> Any:
+    """A gradient in the shape and dtype of the input ``x`` (heads merged again)."""
+    xp = call.xp
+    return xp.astype(xp.reshape(grad, shape_of(x)), x.dtype, copy=False)
+
+
+def _assemble_dbias(
+    call: Call, blocks: dict[tuple[int, int], Any], shape: tuple[int, ...], size: int
+) -> Any:
+    """The bias's gradient from its blocks (zeros where no pair touched one)."""
+    xp = call.xp
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
+    nq = grid(call, size)[0] if shape[-2] != 1 else 1
+    nk = grid(call, size)[1] if shape[-1] != 1 else 1
+    rows_of = [span(lq, size, i) if shape[-2] != 1 else (0, 1) for i in range(nq)]
+    cols_of = [span(lk, size, j) if shape[-1] != 1 else (0, 1) for j in range(nk)]
+    row_blocks = []
+    for i, (r0, r1) in enumerate(rows_of):
+        parts = []
+        for j, (c0, c1) in enumerate(cols_of):
+            block = blocks.get((i, j))
+            if block is None:
+                block = xp.zeros(
+                    (*shape[:-2], r1 - r0, c1 - c0), dtype=call.compute_dtype, device=call.device
+                )
+            parts.append(block)
+        row_blocks.append(_concat(xp, parts, axis=-1))
+    return _concat(xp, row_blocks, axis=-2)
+
+
+def check_backward_arrays(call: Call, q: Any, *, dout: Any, out: Any, lse: Any, dlse: Any) -> None:
+    """Check ``attend_backward``'s ``dout``, ``out``, ``lse`` (and ``dlse``) against the
+    call: arrays of q's framework and device, the output's and lse's shapes, real
+    floating dtypes of the inputs' dtype or the compute dtype."""
+    check_arrays(q=q, dout=dout, out=out, lse=lse, dlse=dlse)
+    out_shape = (*call.q_shape[:-1], call.v_shape[-1])
+    lse_shape = call.q_shape[:-1]
+    dtypes = (call.dtype, call.compute_dtype)
+    for name, x, shape, what in (
+        ("dout", dout, out_shape, "the output's shape [..., Hq, Lq, Dv]"),
+        ("out", out, out_shape, "the output's shape [..., Hq, Lq, Dv]"),
+        ("lse", lse, lse_shape, "lse's shape [..., Hq, Lq]"),
+        ("dlse", dlse, lse_shape, "lse's shape [..., Hq, Lq]"),
+    ):
+        if x is None:
+            continue
+        if shape_of(x) != shape:
+            msg = (
+                f"`{name}` must have {what} = {shape} for q {call.q_shape}, k {call.k_shape}, "
+                f"v {call.v_shape}, got {shape_of(x)}; pass the `out` and `lse` that "
+                "`attend(..., return_lse=True)` returned and the gradient of the loss with "
+                "respect to `out`."
+            )
+            raise ValueError(msg)
+        if not is_kind(call.xp, x.dtype, "real floating") or x.dtype not in dtypes:
+            allowed_text = " or ".join(dict.fromkeys(str(d) for d in dtypes))
+            msg = (
+                f"`{name}` must have the inputs' dtype or the compute dtype ({allowed_text}), "
+                f"got {x.dtype}; cast it with `xp.astype({name}, ...)` first."
+            )
+            raise TypeError(msg)
