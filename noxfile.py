@@ -28,7 +28,7 @@ JAX_SPEC = os.environ.get("JAX_SPEC", "jax")  # the PyPI `jax` wheel runs on the
 
 SOURCES = ("portable_attention", "tests", "benchmarks", "examples", "noxfile.py")
 
-nox.options.sessions = ["tests-all", "lint", "docs"]
+nox.options.sessions = ["tests-all", "compile", "lint", "docs"]
 # Reuse environments between local runs (`nox -N` or `--reuse-venv=no` to rebuild).
 # Every session still runs its pip install, so a reused environment stays current.
 nox.options.reuse_venv = "yes"
@@ -59,7 +59,7 @@ def _framework_requirements(backends: tuple[str, ...]) -> list[str]:
     return reqs
 
 
-def _run_tests(session: nox.Session, backends: tuple[str, ...], *paths: str) -> None:
+def _run_tests(session: nox.Session, backends: tuple[str, ...], *args: str) -> None:
     # One pip call: the pinned torch is resolved together with the package and the test
     # group, so nothing can ask for a newer torch behind our back. The package is
     # installed without extras (its `torch`/`jax` extras are unpinned ranges).
@@ -68,7 +68,7 @@ def _run_tests(session: nox.Session, backends: tuple[str, ...], *paths: str) -> 
     if "jax" in backends:
         # CPU jaxlib; skip the accelerator probe and its warnings.
         env["JAX_PLATFORMS"] = os.environ.get("JAX_PLATFORMS", "cpu")
-    session.run("python", "-m", "pytest", *paths, *session.posargs, env=env)
+    session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
 
 
 @nox.session
@@ -97,10 +97,18 @@ def jax(session: nox.Session) -> None:
 
 @nox.session(name="tests-all")
 def tests_all(session: nox.Session) -> None:
-    """Whole suite with every CPU backend installed together, then the consistency report."""
-    _run_tests(session, ("numpy", "array_api_strict", "torch", "jax"))
+    """Whole suite with every CPU backend installed together (the ``torch.compile`` tests
+    run in the ``compile`` session), then the consistency report."""
+    _run_tests(session, ("numpy", "array_api_strict", "torch", "jax"), "-m", "not compile")
     # The README's first command: the consistency report exits 1 on a disagreement.
     session.run("python", "-m", "portable_attention", "--quiet")
+
+
+@nox.session(name="compile")
+def compile_tests(session: nox.Session) -> None:
+    """The ``torch.compile`` tests (``-m compile``, 10-40 s each): every entry point that
+    claims ``fullgraph=True`` is compiled and checked against eager."""
+    _run_tests(session, ("torch",), "-m", "compile")
 
 
 @nox.session

@@ -280,6 +280,7 @@ def test_torch_fused_gqa_lower_right_and_empty_rows() -> None:
 
 
 @requires_backend("torch")
+@pytest.mark.compile
 def test_torch_compile_fullgraph() -> None:
     import torch
 
@@ -320,6 +321,7 @@ print("ok")
 
 
 @requires_backend("torch")
+@pytest.mark.compile
 def test_torch_compile_fullgraph_dynamic() -> None:
     """``dynamic=True`` makes the float options symbolic (``dropout=0.0`` by default, and
     ``scale``/``softcap`` read from a module or changing between calls): validation must
@@ -329,6 +331,7 @@ def test_torch_compile_fullgraph_dynamic() -> None:
 
 
 @requires_backend("torch")
+@pytest.mark.compile
 def test_torch_compile_fullgraph_after_numpy_calls() -> None:
     """The call memo holding NumPy calls does not break a fullgraph trace of a torch
     call. Windows 8 and 2**64 have the same hash: dynamo then compares the two keys,
