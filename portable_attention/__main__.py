@@ -8,7 +8,9 @@ the attention weights of ``attend``, then passes the same inputs as PyTorch and 
 (each only if it is installed) through the same ``attend``, once with
 ``return_weights=True`` and once without (where ``implementation="auto"`` may pick the
 framework's fused kernel), and checks every result against NumPy, naming the path
-``plan()`` chose. Exit status 0 when all agree, 1 when one disagrees beyond ``TOLERANCE``.
+``plan()`` chose. Exit status 0 when all agree, 1 when one disagrees beyond float32's
+tolerance of the package's one table (``RTOL``, ``ATOL``:
+:func:`portable_attention.testing.tolerance`).
 
 ``python -m portable_attention bench`` hands its arguments to ``_bench.main``.
 """
@@ -26,13 +28,16 @@ import numpy as np
 import numpy.typing as npt
 
 from portable_attention import attend, plan
+from portable_attention.testing import tolerance
 
-TOLERANCE = 1e-5
+#: The demo's results are float32: they agree where ``|x - ref| <= ATOL + RTOL * |ref|``.
+RTOL, ATOL = tolerance("float32")
+BOUND = f"atol={ATOL:g} + rtol={RTOL:g} * |NumPy's|"
 DEMO_HELP = (
     "Run one small attention (float32, causal, [B=1, H=2, L=4, D=8]) through attend on NumPy "
     "and print its output and weights; run the same inputs as torch and jax arrays (where "
     "installed) and print how far each is from NumPy, and the path plan() chose. Exit "
-    f"status 1 if any differs by more than {TOLERANCE:g}."
+    f"status 1 if any differs by more than {BOUND} (the package's float32 tolerance)."
 )
 SEED = 0
 B, H, L, D = 1, 2, 4, 8
@@ -92,8 +97,18 @@ def _max_abs_diff(a: Array, b: Array) -> float:
     return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
 
 
-def _verdict(*diffs: float) -> str:
-    return "agree" if all(d <= TOLERANCE for d in diffs) else "DISAGREE"  # NaN disagrees too
+def _excess(a: Array, ref: Array) -> float:
+    """The largest ``|a - ref| - RTOL * |ref|``: what ``ATOL`` must cover (inf for a shape
+    mismatch, NaN for a NaN)."""
+    if a.shape != ref.shape:
+        return float("inf")
+    a64, r64 = a.astype(np.float64), ref.astype(np.float64)
+    return float(np.max(np.abs(a64 - r64) - RTOL * np.abs(r64)))
+
+
+def _verdict(*excess: float) -> str:
+    """``agree`` when every output's :func:`_excess` is at most ``ATOL``."""
+    return "agree" if all(e <= ATOL for e in excess) else "DISAGREE"  # NaN disagrees too
 
 
 def _check(
@@ -109,12 +124,14 @@ def _check(
     path = plan(*args, **kwargs).path
     result = attend(*args, **kwargs)
     if kwargs.get("return_weights"):
-        d_out = _max_abs_diff(to_numpy(result[0]), ref_out)
-        d_weights = _max_abs_diff(to_numpy(result[1]), ref_weights)
+        out, weights = to_numpy(result[0]), to_numpy(result[1])
+        d_out, d_weights = _max_abs_diff(out, ref_out), _max_abs_diff(weights, ref_weights)
         w_text = f"{d_weights:.1e}"
+        verdict = _verdict(_excess(out, ref_out), _excess(weights, ref_weights))
     else:
-        d_out, d_weights, w_text = _max_abs_diff(to_numpy(result), ref_out), 0.0, "-"
-    verdict = _verdict(d_out, d_weights)  # not max(): max(0.0, nan) is 0.0
+        out = to_numpy(result)
+        d_out, w_text = _max_abs_diff(out, ref_out), "-"
+        verdict = _verdict(_excess(out, ref_out))  # not max(): max(0.0, nan) is 0.0
     print(f"{label:<18} {call:<26} {path:<14} {d_out:>13.1e} {w_text:>11}  {verdict}")
     return verdict == "agree"
 
@@ -156,10 +173,10 @@ def demo() -> int:
         compared.append(name)
 
     if failures:
-        print(f"\n{failures} check(s) disagree beyond {TOLERANCE:g}.", file=sys.stderr)
+        print(f"\n{failures} check(s) disagree beyond {BOUND}.", file=sys.stderr)
         return 1
     if compared:
-        print(f"\nNumPy, {' and '.join(compared)} agree within {TOLERANCE:g}.")
+        print(f"\nNumPy, {' and '.join(compared)} agree within {BOUND}.")
     else:
         print("\nOnly NumPy is installed: install torch or jax to compare frameworks.")
     return 0

@@ -4,8 +4,9 @@ Each :class:`Case` is NumPy data (``q``, ``k``, ``v`` and an optional boolean ``
 and float ``bias``) plus the keyword arguments of :func:`portable_attention.attend`.
 The data are drawn once from a fixed seed in float64 and rounded to each dtype on the
 NumPy side (:func:`rounded`), so that every backend receives the same numbers exactly and
-the float64 oracle sees the very inputs the backend computed with: what remains in the
-error is the computation, not the rounding of the inputs.
+the float64 oracle (:func:`oracle`: :func:`portable_attention.testing.reference_attention`,
+written apart from the package's kernels) sees the very inputs the backend computed
+with: what remains in the error is the computation, not the rounding of the inputs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from portable_attention import attend
+from portable_attention.testing import reference_attention
 
 Array = npt.NDArray[Any]
 
@@ -153,18 +154,28 @@ def battery() -> list[Case]:
 
 
 def _bfloat16(a: Array) -> Array:
-    """``a`` rounded to the nearest bfloat16 (ties to even), as float32 (exact values)."""
-    bits = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return rounded.astype(np.uint32).view(np.float32)
+    """``a`` rounded to float32, then to the nearest bfloat16 (ties to even, as torch and
+    JAX cast float32), held in float32 (exact values). Needs ``ml_dtypes``."""
+    import ml_dtypes
+
+    return np.asarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def has_bfloat16() -> bool:
+    """Whether :func:`rounded` can round to bfloat16 here (``ml_dtypes`` imports)."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def rounded(a: Array, dtype: str) -> Array:
     """``a`` rounded to ``dtype`` (a name) and held in a NumPy dtype that stores it exactly.
 
-    float32 and float16 come back in that NumPy dtype; bfloat16 (which NumPy lacks) as
-    float32 holding bfloat16 values, so the backend's cast to bfloat16 is exact. Boolean
-    arrays come back unchanged.
+    float32 and float16 come back in that NumPy dtype; bfloat16 as float32 holding
+    bfloat16 values (rounded by ``ml_dtypes``), so the backend's cast to bfloat16 is
+    exact. Boolean arrays come back unchanged.
     """
     if a.dtype == np.bool_:
         return a
@@ -176,18 +187,13 @@ def rounded(a: Array, dtype: str) -> Array:
 def oracle(case: Case, dtype: str) -> tuple[Array, Array]:
     """The float64 reference ``(out, weights)`` for ``case`` on inputs rounded to ``dtype``.
 
-    It is ``attend(..., implementation="portable")`` on float64 NumPy arrays: the
-    array-API code, with the whole score matrix, in double precision.
+    It is :func:`portable_attention.testing.reference_attention`: the dense formula in
+    float64 NumPy, sharing no code with the package's kernels, so that a bug of the
+    portable code cannot pass the report by agreeing with itself.
     """
     arrays: dict[str, Any] = {n: rounded(a, dtype).astype(a.dtype) for n, a in case.arrays.items()}
     options = {n: v for n, v in case.options.items() if n not in ("chunk_size", "return_weights")}
-    out, weights = attend(
-        arrays.pop("q"),
-        arrays.pop("k"),
-        arrays.pop("v"),
-        **arrays,
-        **options,
-        return_weights=True,
-        implementation="portable",
+    ref = reference_attention(
+        arrays.pop("q"), arrays.pop("k"), arrays.pop("v"), **arrays, **options
     )
-    return np.asarray(out), np.asarray(weights)
+    return ref.out, ref.weights

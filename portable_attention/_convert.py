@@ -33,6 +33,15 @@ _ML_DTYPES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uin
 _DLPACK_ERRORS = (BufferError, RuntimeError, TypeError, ValueError, AttributeError)
 
 
+class ConversionError(TypeError):
+    """A conversion this module refuses itself, with a message that says what to do.
+
+    :func:`to_backend` lets it through as it is, and wraps any other error a framework
+    raises during a conversion in a ``TypeError`` that names the source, dtype, shape and
+    target. It is a ``TypeError``: callers catch it as one.
+    """
+
+
 # -- which framework an array comes from -------------------------------------------------------
 
 
@@ -67,12 +76,12 @@ def dtype_name(dtype: Any) -> str:
 # -- importing the target ------------------------------------------------------------------------
 
 
-def _check_name(name: object) -> str:
+def check_name(name: object) -> str:
     """``name`` of :func:`to_backend`: one of :data:`BACKEND_NAMES`."""
     return check_backend_name(name, BACKEND_NAMES)
 
 
-def _import(name: str) -> Any:
+def import_backend(name: str) -> Any:
     """The target framework's module (``jax.numpy`` for jax); a ValueError if it won't import."""
     try:
         if name == "jax":
@@ -83,7 +92,8 @@ def _import(name: str) -> Any:
         raise backend_import_error(name, err) from err
 
 
-def _cupy_has_gpu(cupy: Any) -> bool:
+def cupy_has_gpu(cupy: Any) -> bool:
+    """Whether CuPy (the module) finds a GPU; False where its runtime cannot tell."""
     try:
         return int(cupy.cuda.runtime.getDeviceCount()) > 0
     except Exception:
@@ -105,10 +115,10 @@ def available_backends() -> tuple[str, ...]:
     found = []
     for name in BACKEND_NAMES:
         try:
-            module = _import(name)
+            module = import_backend(name)
         except ValueError:
             continue
-        if name == "cupy" and not _cupy_has_gpu(module):
+        if name == "cupy" and not cupy_has_gpu(module):
             continue
         found.append(name)
     return tuple(found)
@@ -416,17 +426,17 @@ def to_backend(x: Any, name: str, device: Any = None) -> Any:
     >>> t.dtype, tuple(t.shape)
     (torch.float32, (2, 3))
     """
-    name = _check_name(name)
+    name = check_name(name)
     src = source_framework(x)
-    module = _import(name)
+    module = import_backend(name)
     target_device = _target_device(name, device, module)
     if name == "jax":
         _check_jax_x64(x)
     try:
         out = _numpy_from(x, src) if name == "numpy" else _CONVERTERS[name](x, src, module)
+    except ConversionError:  # ours, already saying what to do
+        raise
     except (TypeError, ValueError, RuntimeError, BufferError) as err:
-        if str(err).startswith("`x`"):  # ours, already saying what to do
-            raise
         dtype = dtype_name(getattr(x, "dtype", None))
         shape = tuple(getattr(x, "shape", ()))
         raise conversion_error(src, dtype, shape, name, err) from err
@@ -437,22 +447,60 @@ def to_backend(x: Any, name: str, device: Any = None) -> Any:
     return out
 
 
-def to_numpy(x: Any) -> np.ndarray:
+def to_numpy(x: Any, dtype: Any = None) -> np.ndarray:
     """``to_backend(x, "numpy")``: the array as a NumPy array (on the host, detached).
 
     Parameters
     ----------
     x : array
         An array of any framework :func:`to_backend` knows.
+    dtype : str or numpy.dtype, optional
+        Cast the result to this NumPy dtype (a copy). ``"float64"`` gives the values of
+        any floating array exactly (every float16, bfloat16 and float32 value is a float64
+        value), ready to compare; a bfloat16 array then needs no ``ml_dtypes``: where
+        NumPy lacks bfloat16 it is widened to float32 (exactly) in its own framework first.
 
     Returns
     -------
     numpy.ndarray
-        Same values, shape and dtype (bfloat16 as ``ml_dtypes.bfloat16``); it may share
-        memory with ``x`` and may be read-only (JAX arrays are immutable).
+        Same values and shape; dtype ``dtype``, else that of ``x`` (bfloat16 as
+        ``ml_dtypes.bfloat16``). Without ``dtype`` it may share memory with ``x`` and may
+        be read-only (JAX arrays are immutable).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attention.testing import to_numpy
+    >>> to_numpy(np.ones(2, dtype=np.float16), dtype="float64").dtype
+    dtype('float64')
     """
-    out: np.ndarray = to_backend(x, "numpy")
-    return out
+    if dtype is None:
+        out: np.ndarray = to_backend(x, "numpy")
+        return out
+    target = np.dtype(dtype)
+    if dtype_name(getattr(x, "dtype", None)) == "bfloat16" and not _has_ml_dtypes():
+        x = _widen_bfloat16(x)
+    return np.asarray(to_backend(x, "numpy")).astype(target)
+
+
+def _has_ml_dtypes() -> bool:
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _widen_bfloat16(x: Any) -> Any:
+    """A bfloat16 array as float32 in its own framework (exact; on its own device)."""
+    if source_framework(x) == "torch":
+        import torch
+
+        return _torch_plain(x).to(torch.float32)
+    import array_api_compat  # JAX always has ml_dtypes; any other array-API library
+
+    xp = array_api_compat.array_namespace(x)
+    return xp.astype(x, xp.float32)
 
 
 # -- argument checks and messages of this module ----------------------------------------
@@ -543,35 +591,35 @@ def device_placement_error(name: str, device: object, err: BaseException) -> Val
     return bad_device_error(name, device, f"{type(err).__name__}: {err}")
 
 
-def ml_dtypes_missing_error(dtype: str, framework: str) -> TypeError:
+def ml_dtypes_missing_error(dtype: str, framework: str) -> ConversionError:
     """The error for a dtype NumPy has only through ml_dtypes, which is not installed."""
     msg = (
         f"`x` has dtype {dtype}, which NumPy has only through the ml_dtypes package: "
         f"install it (pip install ml_dtypes; it comes with jax) to convert {framework} "
         f"{dtype} arrays to NumPy, or cast `x` to float32 first."
     )
-    return TypeError(msg)
+    return ConversionError(msg)
 
 
-def dlpack_to_numpy_error(x: object, err: BaseException) -> TypeError:
+def dlpack_to_numpy_error(x: object, err: BaseException) -> ConversionError:
     """The error for an array of another library that DLPack cannot bring to NumPy."""
     msg = f"`x` of type {type_name(x)} cannot be converted to NumPy by DLPack: {err}"
-    return TypeError(msg)
+    return ConversionError(msg)
 
 
-def cupy_dtype_error(dtype: str) -> TypeError:
+def cupy_dtype_error(dtype: str) -> ConversionError:
     """The error for a dtype CuPy lacks (bfloat16, float8)."""
     msg = f"`x` has dtype {dtype}, which CuPy does not have; cast it to float32 first."
-    return TypeError(msg)
+    return ConversionError(msg)
 
 
-def strict_dtype_error(dtype: str) -> TypeError:
+def strict_dtype_error(dtype: str) -> ConversionError:
     """The error for a dtype array_api_strict lacks (the 16-bit floats, float8)."""
     msg = (
         f"`x` has dtype {dtype}, which array_api_strict does not have; cast it "
         "to float32 first (or compare 16-bit floats on numpy, torch and jax)."
     )
-    return TypeError(msg)
+    return ConversionError(msg)
 
 
 def jax_x64_error(dtype: str) -> TypeError:

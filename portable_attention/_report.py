@@ -5,13 +5,15 @@ Runs the fixed battery of :mod:`portable_attention._cases` through
 PyTorch, JAX, CuPy), on every device it sees (the CPU; CUDA where torch, JAX or CuPy see
 a GPU), in float32 and in the half dtypes the backend has, and compares every result
 
-* to a float64 oracle (``attend(..., implementation="portable")`` on float64 NumPy arrays
-  holding the same rounded inputs), and
+* to a float64 oracle (:func:`portable_attention.testing.reference_attention`, the dense
+  formula in float64 NumPy written apart from the package's kernels, on the same rounded
+  inputs), and
 * to every other backend and device's result for the same case and dtype,
 
-elementwise, ``|x - ref| <= atol + rtol * |ref|`` with the tolerances of
-:data:`TOLERANCES`. It prints one row per call: the path ``plan()`` names, the largest
-absolute and (normwise) relative error against the oracle, the largest difference from
+elementwise, ``|x - ref| <= atol + rtol * |ref|`` with the tolerances of the package's
+one table (:func:`portable_attention.testing.tolerance`; :data:`TOLERANCES` here). It
+prints one row per call: the path ``plan()`` names, the largest absolute and (normwise)
+relative error against the oracle, the largest difference from
 another backend, the verdict and the time of one call. Exit status 0 when everything
 agrees, 1 when anything disagrees (or raises), 2 for bad command-line arguments.
 """
@@ -33,12 +35,14 @@ import numpy as np
 
 from portable_attention import _cases, attend, plan
 from portable_attention._cases import Array, Case
+from portable_attention._convert import dtype_name, source_framework, to_backend, to_numpy
+from portable_attention.testing import tolerance
 
-#: (rtol, atol) by dtype: a result agrees where ``|x - ref| <= atol + rtol * |ref|``.
+#: The report's dtypes and their (rtol, atol) for out and weights, from the package's one
+#: table (:func:`portable_attention.testing.tolerance`): a result agrees where
+#: ``|x - ref| <= atol + rtol * |ref|``.
 TOLERANCES: dict[str, tuple[float, float]] = {
-    "float32": (1e-4, 1e-5),
-    "float16": (5e-3, 5e-3),
-    "bfloat16": (3e-2, 4e-2),
+    name: tolerance(name, "out") for name in ("float32", "float16", "bfloat16")
 }
 
 #: Backends the report knows, in report order, and the dtypes it runs on each.
@@ -166,10 +170,15 @@ def targets(
                 continue
             if device == "cuda" and not _sees_cuda(backend):
                 continue
-            has = tuple(d for d in DTYPES[backend] if d in dtypes)
+            has = tuple(d for d in DTYPES[backend] if d in dtypes and _can_run(d))
             if has:
                 found.append(Target(backend, device, has))
     return found
+
+
+def _can_run(dtype: str) -> bool:
+    """bfloat16 needs ml_dtypes (to round the inputs); the other dtypes run anywhere."""
+    return dtype != "bfloat16" or _cases.has_bfloat16()
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -177,9 +186,7 @@ def targets(
 
 def _to_target(a: Array, target: Target, dtype: str) -> Any:
     """NumPy data (already rounded to ``dtype``) as ``target``'s array of that dtype."""
-    from portable_attention import _convert
-
-    x = _convert.to_backend(np.ascontiguousarray(a), target.backend, device=target.device)
+    x = to_backend(np.ascontiguousarray(a), target.backend, device=target.device)
     if a.dtype == np.bool_ or (dtype == a.dtype.name):
         return x
     import array_api_compat
@@ -199,18 +206,6 @@ def _sync(result: Sequence[Any]) -> None:
             torch.cuda.synchronize(x.device)
         elif type(x).__module__.startswith("cupy"):
             x.device.synchronize()
-
-
-def _float64(x: Any) -> Array:
-    """Any backend's array as float64 NumPy (bfloat16 through float32, so no ml_dtypes needed)."""
-    from portable_attention import _convert
-
-    if _convert.dtype_name(x.dtype) == "bfloat16":
-        import array_api_compat
-
-        xp = array_api_compat.array_namespace(x)
-        x = xp.astype(x, xp.float32)
-    return np.asarray(_convert.to_numpy(x)).astype(np.float64)
 
 
 def _as_list(result: Any) -> list[Any]:
@@ -237,7 +232,7 @@ def run_one(case: Case, target: Target, dtype: str, *, repeats: int = 3) -> Row:
         row.error = _kind_mismatch(result, q, dtype)
         if row.error:
             row.verdict = "DISAGREE"
-        row.result = [_float64(x) for x in result]
+        row.result = [to_numpy(x, dtype="float64") for x in result]
     except Exception as exc:  # the report goes on; the row says what went wrong
         row.verdict, row.error = "ERROR", f"{type(exc).__name__}: {exc}"
     return row
@@ -247,11 +242,9 @@ def _kind_mismatch(result: Sequence[Any], q: Any, dtype: str) -> str:
     """Why ``result`` is not arrays of ``q``'s framework and device in ``dtype`` ("" if it is)."""
     import array_api_compat
 
-    from portable_attention import _convert
-
-    framework, device = _convert.source_framework(q), array_api_compat.device(q)
+    framework, device = source_framework(q), array_api_compat.device(q)
     for x in result:
-        got = (_convert.source_framework(x), _convert.dtype_name(x.dtype))
+        got = (source_framework(x), dtype_name(x.dtype))
         if got != (framework, dtype):
             return f"returned a {got[0]} {got[1]} array for {framework} {dtype} inputs"
         if array_api_compat.device(x) != device:
@@ -259,9 +252,13 @@ def _kind_mismatch(result: Sequence[Any], q: Any, dtype: str) -> str:
     return ""
 
 
-def _within(x: Array, y: Array, ref: Array, dtype: str) -> bool:
-    rtol, atol = TOLERANCES[dtype]
+def _within(x: Array, y: Array, ref: Array, dtype: str, what: str) -> bool:
+    rtol, atol = tolerance(dtype, what)
     return x.shape == y.shape and bool(np.all(np.abs(x - y) <= atol + rtol * np.abs(ref)))
+
+
+#: What the results of a row are: out, and the weights where the case returns them.
+_OUTPUTS = ("out", "weights")
 
 
 def _worst(a: float | None, b: float) -> float:
@@ -296,7 +293,8 @@ def compare(rows: Sequence[Row], references: Mapping[tuple[str, str], list[Array
             worst = _worst(worst, max_abs)
         scale = max(float(np.max(np.abs(r))) if r.size else 0.0 for r in ref)
         row.max_abs, row.max_rel = worst, (worst / scale if scale > 0 else worst)
-        if not all(_within(x, r, r, row.dtype) for x, r in zip(row.result, ref, strict=True)):
+        checks = zip(row.result, ref, _OUTPUTS[: len(ref)], strict=True)
+        if not all(_within(x, r, r, row.dtype, what) for x, r, what in checks):
             row.verdict = "DISAGREE"
     # Pairwise: results that each agree with the oracle must agree with each other too.
     # (A row already off the oracle is reported as such, and does not blame the others.)
@@ -310,13 +308,13 @@ def compare(rows: Sequence[Row], references: Mapping[tuple[str, str], list[Array
                 continue
             if (other.case, other.dtype) != (row.case, row.dtype):
                 continue
-            pairs = list(zip(row.result, other.result, ref, strict=False))
-            for x, y, _ in pairs:
+            pairs = list(zip(row.result, other.result, ref, _OUTPUTS, strict=False))
+            for x, y, _, _ in pairs:
                 row.vs_others = _worst(row.vs_others, _max_abs(x, y))
             if (
                 row.ok
                 and id(other) in near_oracle
-                and not all(_within(x, y, r, row.dtype) for x, y, r in pairs)
+                and not all(_within(x, y, r, row.dtype, what) for x, y, r, what in pairs)
             ):
                 row.verdict = f"DISAGREE vs {other.backend}/{other.device}"
 
@@ -414,7 +412,8 @@ def _header(cases: Sequence[Case], run_on: Sequence[Target]) -> str:
         f"portable_attention {__version__}: the same attention on every backend, device and dtype",
         f"backends: {', '.join(versions)}",
         f"devices: {', '.join(dict.fromkeys(t.device for t in run_on))}",
-        "oracle: float64 NumPy, attend(..., implementation='portable'), on the same rounded inputs",
+        "oracle: portable_attention.testing.reference_attention (the dense formula in float64 "
+        "NumPy, apart from the package's kernels), on the same rounded inputs",
         f"agree when |x - ref| <= atol + rtol * |ref| everywhere: {tol}",
         "max rel err = max|x - oracle| / max|oracle|; vs others = max|x - y| over the other "
         "backends' results (same case and dtype, checked with the same tolerance)",
@@ -600,6 +599,13 @@ def main(argv: Sequence[str] | None = None, *, run_on: Sequence[Target] | None =
         )
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return fail("--plot needs matplotlib: pip install 'portable-attention[plot]'")
+    if not _can_run("bfloat16"):
+        if args.dtypes and "bfloat16" in dtypes:
+            return fail("--dtypes bfloat16 needs ml_dtypes: pip install ml_dtypes")
+        if any("bfloat16" in DTYPES[b] for b in backends):
+            print(
+                "bfloat16 is left out: it needs ml_dtypes (pip install ml_dtypes)", file=sys.stderr
+            )
     if run_on is None:
         run_on = targets(backends, devices, list(dtypes))
         if not run_on:

@@ -2,10 +2,11 @@
 
 One list of backends (:data:`BACKENDS`) drives every parametrized test. It is chosen by the
 environment variable ``PORTABLE_ATTENTION_BACKENDS`` (a comma list of ``numpy``,
-``array_api_strict``, ``torch``, ``jax``):
+``array_api_strict``, ``torch``, ``jax``), read by the package's own reader,
+:func:`portable_attention.testing.selected_backends` (its pytest plugin's too):
 
 * set: exactly those backends are tested, and one that fails to import makes the run fail
-  (the conftest raises, pytest exits non-zero) -- a requested backend is never skipped;
+  (a usage error, pytest exits non-zero) -- a requested backend is never skipped;
 * unset (or empty): NumPy plus every other backend that imports.
 
 ``array_api_strict`` always comes in two variants: plain, and ``array_api_strict_jit`` where
@@ -39,8 +40,10 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+from portable_attention import backends as _adapters
+from portable_attention.testing import BACKENDS_ENV_VAR, selected_backends, to_numpy, tolerance
 
-ENV_VAR = "PORTABLE_ATTENTION_BACKENDS"
+ENV_VAR = BACKENDS_ENV_VAR
 
 # Hypothesis profiles (tests/test_properties.py): "ci" (the default) runs a fixed, derandomized
 # set of examples; HYPOTHESIS_PROFILE=thorough (nox -s properties) runs 8x as many, random.
@@ -65,6 +68,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 KNOWN = ("numpy", "array_api_strict", "torch", "jax")
 HALF = ("float16", "bfloat16")
+FLOATING = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class Backend:
     bool_dtype: Any
     complex_dtype: Any
     _asarray: Callable[[np.ndarray, Any], Any]
-    _to_numpy: Callable[[Any], np.ndarray]
+    _check_type: Callable[[Any], None]  # a TypeError unless it is this backend's array
     make_rng: Callable[[int], Any]  # the framework's RNG for dropout, from a seed
     wrong_rng: Callable[[], Any]  # an RNG object of another framework (a TypeError for `rng`)
     flags: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
@@ -106,11 +110,11 @@ class Backend:
         return self._asarray(a, dtype)
 
     def to_numpy(self, x: Any) -> np.ndarray:
-        """This backend's array -> NumPy (floating data as float64, exactly)."""
-        a = np.asarray(self._to_numpy(x))
-        if np.issubdtype(a.dtype, np.floating):
-            a = a.astype(np.float64)
-        return a
+        """This backend's array -> NumPy (floating data as float64, exactly); a TypeError
+        for an array of another framework."""
+        self._check_type(x)
+        floating = str(x.dtype).rsplit(".", 1)[-1] in FLOATING
+        return to_numpy(x, dtype="float64") if floating else np.asarray(to_numpy(x))
 
     def dtype(self, name: str) -> Any:
         return self.dtypes[name]
@@ -129,11 +133,10 @@ class Backend:
 def _numpy_backend() -> Backend:
     import array_api_compat
 
-    def to_numpy(x: Any) -> np.ndarray:
+    def check_type(x: Any) -> None:
         if not isinstance(x, np.ndarray):
             msg = f"expected a numpy.ndarray, got {type(x)}"
             raise TypeError(msg)
-        return x
 
     return Backend(
         name="numpy",
@@ -144,7 +147,7 @@ def _numpy_backend() -> Backend:
         bool_dtype=np.bool_,
         complex_dtype=np.complex128,
         _asarray=lambda a, dt: np.array(a, dtype=dt, copy=True),
-        _to_numpy=to_numpy,
+        _check_type=check_type,
         make_rng=np.random.default_rng,
         wrong_rng=_foreign_rng_for_numpy,
     )
@@ -164,16 +167,12 @@ def _strict_backend(jit: bool) -> Backend:
     import array_api_compat
     import array_api_strict as xs
 
-    cpu = xs.Device("CPU_DEVICE")
     array_type = type(xs.asarray(0.0))
 
-    def to_numpy(x: Any) -> np.ndarray:
+    def check_type(x: Any) -> None:
         if type(x) is not array_type:
             msg = f"expected an array_api_strict.Array, got {type(x)}"
             raise TypeError(msg)
-        if x.device != cpu:
-            x = x.to_device(cpu)
-        return np.asarray(x)
 
     def asarray(a: np.ndarray, dt: Any) -> Any:
         return xs.astype(xs.asarray(a), dt)
@@ -192,7 +191,7 @@ def _strict_backend(jit: bool) -> Backend:
         bool_dtype=xs.bool,
         complex_dtype=xs.complex128,
         _asarray=asarray,
-        _to_numpy=to_numpy,
+        _check_type=check_type,
         make_rng=np.random.default_rng,
         wrong_rng=_foreign_rng_for_numpy,
         flags=flags,
@@ -204,14 +203,10 @@ def _torch_backend() -> Backend:
     import array_api_compat
     import torch
 
-    def to_numpy(x: Any) -> np.ndarray:
+    def check_type(x: Any) -> None:
         if not isinstance(x, torch.Tensor):
             msg = f"expected a torch.Tensor, got {type(x)}"
             raise TypeError(msg)
-        x = x.detach().cpu()
-        if x.dtype == torch.bfloat16:
-            x = x.float()
-        return x.numpy()
 
     return Backend(
         name="torch",
@@ -227,7 +222,7 @@ def _torch_backend() -> Backend:
         bool_dtype=torch.bool,
         complex_dtype=torch.complex128,
         _asarray=lambda a, dt: torch.from_numpy(np.array(a, copy=True)).to(dt),
-        _to_numpy=to_numpy,
+        _check_type=check_type,
         make_rng=lambda seed: torch.Generator().manual_seed(seed),
         wrong_rng=lambda: np.random.default_rng(0),
     )
@@ -240,13 +235,10 @@ def _jax_backend() -> Backend:
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
-    def to_numpy(x: Any) -> np.ndarray:
+    def check_type(x: Any) -> None:
         if not isinstance(x, jax.Array):
             msg = f"expected a jax.Array, got {type(x)}"
             raise TypeError(msg)
-        if x.dtype == jnp.bfloat16:
-            x = x.astype(jnp.float32)
-        return np.asarray(x)
 
     return Backend(
         name="jax",
@@ -262,7 +254,7 @@ def _jax_backend() -> Backend:
         bool_dtype=jnp.bool_,
         complex_dtype=jnp.complex128,
         _asarray=lambda a, dt: jnp.asarray(np.array(a, copy=True)).astype(dt),
-        _to_numpy=to_numpy,
+        _check_type=check_type,
         make_rng=jax.random.key,
         wrong_rng=lambda: np.random.default_rng(0),
     )
@@ -277,28 +269,16 @@ _CONSTRUCTORS: dict[str, Callable[[], list[Backend]]] = {
 
 
 def _select_backends() -> list[Backend]:
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw:
-        selected: list[Backend] = []
-        for name in KNOWN:
-            try:
-                selected.extend(_CONSTRUCTORS[name]())
-            except ImportError:
-                if name == "numpy":
-                    raise
-        return selected
-    names = [n.strip() for n in raw.split(",") if n.strip()]
-    unknown = [n for n in names if n not in _CONSTRUCTORS]
-    if unknown:
-        msg = f"{ENV_VAR}={raw!r}: unknown backend(s) {unknown}; known: {', '.join(KNOWN)}"
-        raise RuntimeError(msg)
-    selected = []
-    for name in dict.fromkeys(names):
-        try:
-            selected.extend(_CONSTRUCTORS[name]())
-        except ImportError as exc:  # a requested backend must fail the run, never be skipped
-            msg = f"{ENV_VAR} requests backend {name!r}, but it does not import: {exc!r}"
-            raise RuntimeError(msg) from exc
+    try:
+        names = selected_backends(known=KNOWN)
+    except ValueError as err:  # a requested backend must fail the run, never be skipped
+        raise pytest.UsageError(str(err)) from None
+    selected: list[Backend] = []
+    for name in names:
+        selected.extend(_CONSTRUCTORS[name]())
+    # The package was imported (by the reader) before these frameworks: load their
+    # adapters now, as importing the package after them would (torch.compile needs it).
+    _adapters.preload()
     return selected
 
 
@@ -375,20 +355,14 @@ def xp(backend: Backend) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Tolerances by dtype: (rtol, atol) for out/weights; lse is compared in the compute dtype.
+# Tolerances by dtype, from the package's one table (portable_attention.testing.TOLERANCES):
+# (rtol, atol) for out/weights, and for lse, which half inputs compute in float32.
 
 TOLERANCES: dict[str, tuple[float, float]] = {
-    "float64": (1e-10, 1e-12),
-    "float32": (1e-4, 1e-5),
-    "float16": (5e-3, 5e-3),
-    "bfloat16": (3e-2, 4e-2),
+    name: tolerance(name, "out") for name in ("float64", "float32", "float16", "bfloat16")
 }
-# lse is float32 for half inputs: compared at (nearly) float32 precision.
 LSE_TOLERANCES: dict[str, tuple[float, float]] = {
-    "float64": (1e-10, 1e-12),
-    "float32": (1e-4, 1e-5),
-    "float16": (1e-4, 1e-4),
-    "bfloat16": (1e-4, 1e-4),
+    name: tolerance(name, "lse") for name in ("float64", "float32", "float16", "bfloat16")
 }
 
 

@@ -1,4 +1,5 @@
-"""Small helpers shared by the test modules (no package imports here)."""
+"""Small helpers shared by the test modules (of the package, only its testing tools:
+the one tolerance table)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import array_api_compat
 import numpy as np
+from portable_attention.testing import tolerance
 
-from conftest import LSE_TOLERANCES, TOLERANCES, Backend, compute_dtype_name
+from conftest import Backend, compute_dtype_name
 
 
 def rng_for(*key: object) -> np.random.Generator:
@@ -40,7 +42,10 @@ def assert_like(
 def assert_close(
     actual: np.ndarray, expected: np.ndarray, dtype_name: str, *, what: str = "out"
 ) -> None:
-    rtol, atol = (LSE_TOLERANCES if what == "lse" else TOLERANCES)[dtype_name]
+    """``actual`` within the package's tolerance for output ``what`` of a ``dtype_name``
+    call (``what`` names the lse, the weights, or anything else: a gradient, compared as
+    the output is)."""
+    rtol, atol = tolerance(dtype_name, what if what in ("weights", "lse") else "out")
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
 
 

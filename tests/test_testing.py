@@ -2,8 +2,14 @@
 ``tolerance`` and the opt-in pytest plugin (run in pytester's inner sessions).
 
 The backends are the selected ones (``PORTABLE_ATTENTION_BACKENDS``, see ``conftest.py``);
-arrays are made and read back with the conftest's own conversions, independent of the
-code under test.
+arrays are made with the conftest's own conversions and read back by :func:`read`, each
+framework's own way to the host: both independent of the converter under test (the rest
+of the suite reads arrays through the package's one conversion path, this file checks
+it).
+
+Also the tolerance table, the reference implementation (against ``tests/oracle.py`` and
+cases computed by hand), ``check_attention`` (on ``attend``, torch SDPA, jax.nn and on
+deliberately wrong functions) and ``selected_backends``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from portable_attention import attend
 from portable_attention._convert import source_framework
 from portable_attention.testing import (
     BACKEND_NAMES,
+    TOLERANCES,
     ArrayBackend,
+    Tolerance,
     assert_backends_agree,
     available_backends,
     to_backend,
@@ -68,9 +76,26 @@ def make(name: str, data: np.ndarray, dtype: str) -> Any:
 
 
 def read(name: str, x: Any) -> np.ndarray:
-    """A ``name`` array's values as float64, read by the conftest (TypeError if not ``name``'s)."""
+    """A ``name`` array's values as float64, read by the framework itself, not by the
+    converter under test (TypeError if ``x`` is not a ``name`` array)."""
     backend: Backend = BY_NAME[name]
-    return backend.to_numpy(x)
+    backend._check_type(x)
+    if name == "torch":
+        import torch
+
+        t = x.detach().cpu()
+        a = (t.to(torch.float32) if t.dtype == torch.bfloat16 else t).numpy()
+    elif name == "jax":
+        import jax.numpy as jnp
+
+        a = np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
+    elif name == "array_api_strict":
+        import array_api_strict as xs
+
+        a = np.asarray(x.to_device(xs.Device("CPU_DEVICE")))
+    else:
+        a = np.asarray(x)
+    return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
 
 
 def expected_dtype(name: str, dtype: str) -> Any:
@@ -403,10 +428,14 @@ def test_available_backends() -> None:
 
 
 def test_tolerance_table() -> None:
-    assert tolerance("float64") == (1e-12, 1e-12)
-    assert tolerance(np.float32) == (1e-5, 1e-6)
-    assert tolerance(np.dtype("float16")) == (1e-2, 1e-3)
-    assert tolerance("bfloat16") == (2e-2, 1e-2)
+    """The one table (``testing.TOLERANCES``) that the report, the suite, the GPU script
+    and assert_backends_agree share; its values and where they come from are in
+    ``portable_attention/testing/_tolerance.py``."""
+    assert tolerance("float64") == (1e-10, 1e-12)
+    assert tolerance(np.float32) == (1e-4, 1e-5)
+    assert tolerance(np.dtype("float16")) == (5e-3, 5e-3)
+    assert tolerance("bfloat16") == (3e-2, 4e-2)
+    assert tolerance("complex64") == tolerance("float32")
     assert tolerance(np.int64) == (0.0, 0.0)
     assert tolerance(np.bool_) == (0.0, 0.0)
     for name in SELECTED:
@@ -416,6 +445,35 @@ def test_tolerance_table() -> None:
             assert tolerance(dtype) == tolerance(dtype_name), (name, dtype)
     with pytest.raises(ValueError, match=r"`dtype` .*has no default tolerance"):
         tolerance(np.dtype("U3"))
+    # Per output: the lse of 16-bit inputs is float32 (the contract), so near float32's.
+    assert set(TOLERANCES) == {"float64", "float32", "float16", "bfloat16"}
+    for name, row in TOLERANCES.items():
+        assert set(row) == {"out", "weights", "lse"}
+        assert row["weights"] == row["out"] == tolerance(name) == tolerance(name, "out")
+        assert tolerance(name, "lse") == row["lse"]
+        assert isinstance(row["lse"], Tolerance) and row["lse"].rtol <= row["out"].rtol
+    assert tolerance("float16", "lse") == tolerance("bfloat16", "lse") == (1e-4, 1e-4)
+    assert tolerance("float32").atol == 1e-5 and tolerance("float32").rtol == 1e-4
+    with pytest.raises(ValueError, match=r"`what` must be one of 'out', 'weights', 'lse'"):
+        tolerance("float32", "grad")
+    with pytest.raises(TypeError):
+        TOLERANCES["float32"] = {}  # type: ignore[index]  # read-only
+
+
+def test_every_tool_uses_the_one_table() -> None:
+    """The report, the demo, the suite's helpers and the GPU script read their tolerances
+    from ``testing.tolerance`` (no table of their own)."""
+    from portable_attention import __main__ as cli
+    from portable_attention import _report
+
+    import conftest
+
+    for name in ("float32", "float16", "bfloat16"):
+        assert _report.TOLERANCES[name] == tolerance(name, "out")
+    assert tolerance("float32") == (cli.RTOL, cli.ATOL)
+    for name in ("float64", "float32", "float16", "bfloat16"):
+        assert conftest.TOLERANCES[name] == tolerance(name, "out")
+        assert conftest.LSE_TOLERANCES[name] == tolerance(name, "lse")
 
 
 # -- assert_backends_agree ------------------------------------------------------------------------
@@ -498,7 +556,7 @@ def test_a_perturbed_backend_fails_with_the_details() -> None:
         assert_backends_agree(fn, q, k, v, backends=COMPARE)
     msg = str(info.value)
     assert f"backend {bad!r} disagrees with {COMPARE[0]!r} on output[1]:" in msg
-    assert "1 of 30 elements differ beyond rtol=1e-05, atol=1e-06 (dtype float32)" in msg
+    assert "1 of 30 elements differ beyond rtol=0.0001, atol=1e-05 (dtype float32)" in msg
     ref = to_numpy(attend(*(to_backend(a, COMPARE[0]) for a in (q, k, v)), return_lse=True)[1])
     rel = 0.5 / abs(float(ref[1, 2, 3]))
     assert f"max abs error 0.5 at index (1, 2, 3), max relative error {rel:.3g} at index" in msg
@@ -514,7 +572,7 @@ def test_explicit_tolerances_accept_a_small_perturbation() -> None:
     def fn(q: Any, k: Any, v: Any) -> Any:
         return perturb_on(bad, attend(q, k, v), delta=1e-3)
 
-    with pytest.raises(AssertionError, match=r"rtol=1e-05, atol=1e-06"):
+    with pytest.raises(AssertionError, match=r"rtol=0.0001, atol=1e-05"):
         assert_backends_agree(fn, q, k, v, backends=COMPARE)
     assert_backends_agree(fn, q, k, v, backends=COMPARE, atol=2e-3)
     with pytest.raises(AssertionError, match=r"rtol=0.0001, atol=1e-06"):

@@ -1,75 +1,22 @@
-"""Tolerances by dtype and :func:`assert_backends_agree`."""
+"""`assert_backends_agree`: one function on every backend, the results compared."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from portable_attention._convert import (
-    _check_name,
-    _import,
     available_backends,
-    dtype_name,
+    check_name,
+    import_backend,
     source_framework,
     to_backend,
     to_numpy,
 )
-
-# (rtol, atol) by dtype name. About 100 units in the last place for float32, a few hundred
-# for float64 (results of different kernels differ by summation order, not by more), a few
-# ulp for the 16-bit floats, where one rounding of a float32 result already costs one.
-_TOLERANCES: dict[str, tuple[float, float]] = {
-    "float64": (1e-12, 1e-12),
-    "float32": (1e-5, 1e-6),
-    "float16": (1e-2, 1e-3),
-    "bfloat16": (2e-2, 1e-2),
-    "complex128": (1e-12, 1e-12),
-    "complex64": (1e-5, 1e-6),
-}
-_EXACT = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-
-
-def tolerance(dtype: Any) -> tuple[float, float]:
-    """The default ``(rtol, atol)`` for comparing results of dtype ``dtype`` across backends.
-
-    | dtype                   | rtol      | atol      |
-    | ----------------------- | --------- | --------- |
-    | float64, complex128     | 1e-12     | 1e-12     |
-    | float32, complex64      | 1e-5      | 1e-6      |
-    | float16                 | 1e-2      | 1e-3      |
-    | bfloat16                | 2e-2      | 1e-2      |
-    | bool and integer dtypes | 0 (exact) | 0 (exact) |
-
-    Two values ``a`` (the reference backend's) and ``b`` agree when
-    ``|a - b| <= atol + rtol * |a|``, as in :func:`numpy.testing.assert_allclose`.
-
-    Parameters
-    ----------
-    dtype : dtype or str
-        A dtype of any framework (``numpy.float32``, ``torch.bfloat16``,
-        ``jax.numpy.float16``, ...) or its name (``"float32"``).
-
-    Returns
-    -------
-    tuple of float
-        ``(rtol, atol)``.
-
-    Raises
-    ------
-    ValueError
-        For a dtype without a default (float8 types, strings, objects): pass ``rtol`` and
-        ``atol`` yourself.
-    """
-    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
-    if name in _TOLERANCES:
-        return _TOLERANCES[name]
-    if name in _EXACT:
-        return (0.0, 0.0)
-    raise no_tolerance_error(dtype, [*_TOLERANCES, *_EXACT])
-
+from portable_attention.testing._tolerance import tolerance
 
 # -- nested structures -------------------------------------------------------------------------
 
@@ -102,7 +49,7 @@ def _fresh(x: Any, name: str) -> Any:
     if name == "torch":
         return out.clone()
     if name == "array_api_strict":
-        xs = _import(name)
+        xs = import_backend(name)
         return xs.asarray(out, copy=True)
     return out.copy()  # numpy, cupy
 
@@ -230,8 +177,8 @@ def _backend_names(backends: Iterable[str] | None) -> tuple[str, ...]:
         raise no_backends_error()
     for name in names:
         try:
-            _check_name(name)
-            _import(name)
+            check_name(name)
+            import_backend(name)
         except ValueError as err:
             raise unusable_backend_error(name, err) from None
     return names
@@ -273,7 +220,8 @@ def assert_backends_agree(
         array_api_strict, float64 on JAX without ``jax_enable_x64``) raise ``TypeError``:
         choose the backends then.
     rtol, atol : float, optional
-        Tolerances for every output; by default :func:`tolerance` of each output's dtype.
+        Tolerances for every output; by default :func:`tolerance` of each output's dtype
+        (the package's one table, :data:`TOLERANCES`: float32 ``(1e-4, 1e-5)``, ...).
     **kwargs
         Keyword arguments of ``fn``, converted like ``args``.
 
@@ -334,15 +282,6 @@ def assert_backends_agree(
 
 
 # -- argument checks and messages of this module ----------------------------------------
-
-
-def no_tolerance_error(dtype: object, known: Sequence[str]) -> ValueError:
-    """The error of ``tolerance`` for a dtype without a default tolerance."""
-    msg = (
-        f"`dtype` {dtype!r} has no default tolerance (known: "
-        f"{', '.join(known)}); pass `rtol` and `atol` explicitly."
-    )
-    return ValueError(msg)
 
 
 def backends_type_error(backends: object) -> TypeError:

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from portable_attention._convert import (
-    _check_name,
-    _import,
+    check_name,
+    import_backend,
     source_framework,
     to_backend,
     to_numpy,
@@ -38,8 +38,8 @@ class ArrayBackend:
     name: str
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
-        _import(self.name)
+        check_name(self.name)
+        import_backend(self.name)
 
     def __str__(self) -> str:
         return self.name
@@ -47,7 +47,7 @@ class ArrayBackend:
     @property
     def module(self) -> Any:
         """The framework's own module (``jax.numpy`` for jax)."""
-        return _import(self.name)
+        return import_backend(self.name)
 
     @functools.cached_property
     def xp(self) -> Any:

@@ -22,26 +22,21 @@ Which backends:
   asked for is never silently skipped.
 * neither: every backend that imports (:func:`~portable_attention.testing.available_backends`).
 
+The choice is :func:`~portable_attention.testing.selected_backends`, the package's one
+reader of the variable (its own test suite uses it too).
+
 ``pytest --co`` and the report header show the choice.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-
 import pytest
 
-from portable_attention._convert import (
-    BACKEND_NAMES,
-    _check_name,
-    _cupy_has_gpu,
-    _import,
-    available_backends,
-)
+from portable_attention._convert import BACKEND_NAMES
 from portable_attention.testing._backend import ArrayBackend
+from portable_attention.testing._select import BACKENDS_ENV_VAR, selected_backends
 
-ENV_VAR = "PORTABLE_ATTENTION_BACKENDS"
+ENV_VAR = BACKENDS_ENV_VAR
 _SELECTED = pytest.StashKey[tuple[str, ...]]()
 
 
@@ -60,34 +55,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _select(raw: str, source: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
-    if not names:
-        msg = _no_backend_selected_message(source, raw, BACKEND_NAMES)
-        raise pytest.UsageError(msg)
-    for name in names:
-        try:
-            _check_name(name)
-            module = _import(name)
-        except ValueError as err:
-            msg = _unusable_backend_message(source, raw, name, err)
-            raise pytest.UsageError(msg) from None
-        if name == "cupy" and not _cupy_has_gpu(module):
-            msg = _cupy_without_gpu_message(source, raw)
-            raise pytest.UsageError(msg)
-    return names
-
-
 def pytest_configure(config: pytest.Config) -> None:
     option = config.getoption("array_backends", default=None)
-    env = os.environ.get(ENV_VAR, "")
-    selected: tuple[str, ...]
-    if option is not None:
-        selected = _select(option, "--array-backends")
-    elif env.strip():
-        selected = _select(env, ENV_VAR)
-    else:
-        selected = available_backends()
+    try:
+        if option is not None:
+            selected = selected_backends(option, source="--array-backends")
+        else:  # the environment variable, else every backend that imports
+            selected = selected_backends()
+    except ValueError as err:  # a backend asked for is never skipped: the run fails
+        raise pytest.UsageError(str(err)) from None
     config.stash[_SELECTED] = selected
 
 
@@ -120,21 +96,6 @@ def array_backend(request: pytest.FixtureRequest) -> ArrayBackend:
 
 
 # -- argument checks and messages of this module ----------------------------------------
-
-
-def _no_backend_selected_message(source: str, raw: str, known: Sequence[str]) -> str:
-    """``--array-backends`` (or its variable, ``source``) naming no backend."""
-    return f"{source}={raw!r} names no backend; known: {', '.join(known)}."
-
-
-def _unusable_backend_message(source: str, raw: str, name: str, err: BaseException) -> str:
-    """A backend the selection asks for that is unknown or does not import."""
-    return f"{source}={raw!r} requests backend {name!r}, which is not usable: {err}"
-
-
-def _cupy_without_gpu_message(source: str, raw: str) -> str:
-    """The selection asks for cupy where CuPy finds no GPU."""
-    return f"{source}={raw!r} requests backend 'cupy', but CuPy finds no GPU here."
 
 
 def _indirect_array_backend_message() -> str:
