@@ -164,6 +164,8 @@ def structural_mask(
     they keep every score (:func:`band_keeps_all`)."""
     if band_keeps_all(call):
         return None
+    if rows is not None and cols is not None and _block_is_full(call, rows, cols):
+        return None  # the block lies inside the band: only blocks on its edges need a mask
     left, right = window_sides(call)
     return _masks.band(
         call.xp,
@@ -223,6 +225,13 @@ def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) ->
     left, right = window_sides(call)
     nearest, farthest = _distances(call, rows, cols)
     return (left is not None and farthest < -left) or (right is not None and nearest > right)
+
+
+def _block_is_full(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+    """Whether ``causal``/``window`` keep every score of the block (a static decision)."""
+    left, right = window_sides(call)
+    nearest, farthest = _distances(call, rows, cols)
+    return (left is None or nearest >= -left) and (right is None or farthest <= right)
 
 
 def block_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:

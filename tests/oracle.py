@@ -161,3 +161,34 @@ def loss_grads(
         return total
 
     return numerical_grad(f, q), numerical_grad(f, k), numerical_grad(f, v)
+
+
+def loss_grads_with_bias(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    w_out: np.ndarray,
+    w_lse: np.ndarray | None = None,
+    *,
+    bias: np.ndarray | None = None,
+    **kwargs: Any,
+) -> dict[str, np.ndarray]:
+    """Finite-difference gradients of the loss of :func:`loss_grads` with respect to q, k,
+    v and (where given) the bias, in its own (broadcast) shape: ``{"q": ..., "bias": ...}``.
+    A ``-inf`` bias entry stays ``-inf`` when nudged, so its gradient is 0."""
+    arrays = {
+        n: np.array(a, dtype=np.float64, copy=True) for n, a in zip("qkv", (q, k, v), strict=True)
+    }
+    if bias is not None:
+        arrays["bias"] = np.array(bias, dtype=np.float64, copy=True)
+
+    def f() -> float:
+        out, _, lse = attention(
+            arrays["q"], arrays["k"], arrays["v"], bias=arrays.get("bias"), **kwargs
+        )
+        total = float(np.sum(out * w_out))
+        if w_lse is not None:
+            total += float(np.sum(np.where(np.isfinite(lse), lse, 0.0) * w_lse))
+        return total
+
+    return {name: numerical_grad(f, a) for name, a in arrays.items()}

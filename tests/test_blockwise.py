@@ -1,0 +1,727 @@
+"""The blockwise training path: ``attend_backward`` on every backend, torch's
+``autograd.Function`` and JAX's ``custom_vjp`` against finite differences of the float64
+oracle, on every feature of the contract; dropout replay; what plan() says; errors.
+
+Memory, speed and compile-time figures come from ``python -m portable_attention bench
+--training``, never from tests; the tests check the structure those figures rest on
+(nothing of the scores' size is saved for backward, the JAX program does not grow with L).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import Grads, attend, attend_backward, plan
+
+import oracle
+from conftest import Backend, requires_backend
+from helpers import assert_like, randn, rng_for
+
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: shapes, options, and the block length (``chunk_size``) of the path."""
+
+    id: str
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    chunk: int = 3
+    mask: Any = None  # callable(rng) -> np bool array
+    bias: Any = None  # callable(rng) -> np float array
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def make(self) -> dict[str, Any]:
+        rng = rng_for("blockwise", self.id)
+        d = {n: randn(rng, getattr(self, n)) for n in "qkv"}
+        d["mask"] = None if self.mask is None else self.mask(rng)
+        d["bias"] = None if self.bias is None else self.bias(rng)
+        d["w_out"] = randn(rng, (*self.q[:-1], self.v[-1]))
+        d["w_lse"] = randn(rng, self.q[:-1])
+        return d
+
+
+def _mask_empty_rows(rng: np.random.Generator) -> np.ndarray:
+    m = rng.random((7, 8)) < 0.6
+    m[2] = False
+    m[5] = False
+    m[:, 0] |= ~m.any(axis=1)
+    m[2] = m[5] = False  # two rows with no key
+    return m
+
+
+def _bias_full(rng: np.random.Generator) -> np.ndarray:
+    b = randn(rng, (4, 5, 7))
+    b[0, 1, 2] = -np.inf
+    b[1, 3] = -np.inf  # a row with no key
+    return b
+
+
+def _bias_keys(rng: np.random.Generator) -> np.ndarray:
+    return randn(rng, (1, 7))  # broadcast over heads and queries (an ALiBi-like row)
+
+
+def _bias_rows(rng: np.random.Generator) -> np.ndarray:
+    return randn(rng, (4, 5, 1))  # per head and query, broadcast over keys
+
+
+CASES = [
+    Case("plain", (1, 2, 5, 3), (1, 2, 7, 3), (1, 2, 7, 2)),
+    Case("causal_lq_lt_lk", (1, 2, 5, 3), (1, 2, 8, 3), (1, 2, 8, 2), kwargs={"causal": True}),
+    Case("causal_lq_gt_lk", (1, 2, 8, 3), (1, 2, 5, 3), (1, 2, 5, 2), kwargs={"causal": True}),
+    Case(
+        "causal_upper_left",
+        (1, 2, 5, 3),
+        (1, 2, 8, 3),
+        (1, 2, 8, 2),
+        chunk=2,
+        kwargs={"causal": "upper_left"},
+    ),
+    Case("window", (1, 1, 9, 3), (1, 1, 9, 3), (1, 1, 9, 2), chunk=2, kwargs={"window": (2, 1)}),
+    Case(
+        "window_causal_upper_left",
+        (2, 1, 7, 3),
+        (2, 1, 9, 3),
+        (2, 1, 9, 2),
+        kwargs={"window": (3, None), "causal": "upper_left"},
+    ),
+    Case("gqa_causal", (1, 4, 7, 3), (1, 2, 7, 3), (1, 2, 7, 4), kwargs={"causal": True}),
+    Case("mqa_window", (2, 3, 6, 3), (2, 1, 8, 3), (2, 1, 8, 2), chunk=4, kwargs={"window": 2}),
+    Case("mask_empty_rows", (1, 2, 7, 3), (1, 2, 8, 3), (1, 2, 8, 2), mask=_mask_empty_rows),
+    Case("bias_full_neginf", (1, 4, 5, 3), (1, 2, 7, 3), (1, 2, 7, 2), bias=_bias_full),
+    Case(
+        "bias_keys_causal",
+        (1, 4, 5, 3),
+        (1, 2, 7, 3),
+        (1, 2, 7, 2),
+        bias=_bias_keys,
+        kwargs={"causal": True},
+    ),
+    Case("bias_rows_gqa", (1, 4, 5, 3), (1, 2, 7, 3), (1, 2, 7, 2), bias=_bias_rows),
+    Case(
+        "softcap_scale",
+        (1, 2, 6, 3),
+        (1, 2, 7, 3),
+        (1, 2, 7, 2),
+        chunk=4,
+        kwargs={"softcap": 1.5, "scale": 0.8, "causal": True},
+    ),
+    Case("two_d", (5, 3), (7, 3), (7, 4), chunk=2, kwargs={"window": (None, 1)}),
+    Case("one_block", (1, 2, 5, 3), (1, 2, 7, 3), (1, 2, 7, 2), chunk=64),
+]
+BY_ID = {c.id: c for c in CASES}
+EMPTY = ("causal_lq_gt_lk", "mask_empty_rows", "bias_full_neginf")
+#: JAX compiles each case's scans (about 3 s): attend_backward, the custom_vjp's backward
+#: scan, runs these there; test_jax_grad_matches_oracle runs every case through it.
+JAX_BACKWARD = ("causal_lq_gt_lk", "mask_empty_rows", "bias_full_neginf", "bias_rows_gqa", "two_d")
+
+_ORACLE: dict[str, dict[str, np.ndarray]] = {}
+
+
+def oracle_grads(case: Case) -> dict[str, np.ndarray]:
+    """Finite differences of the oracle's loss ``sum(out * w_out) + sum(lse * w_lse)``
+    (``lse`` where finite); cached per case."""
+    if case.id not in _ORACLE:
+        d = case.make()
+        _ORACLE[case.id] = oracle.loss_grads_with_bias(
+            d["q"],
+            d["k"],
+            d["v"],
+            d["w_out"],
+            d["w_lse"],
+            bias=d["bias"],
+            mask=d["mask"],
+            **case.kwargs,
+        )
+    return _ORACLE[case.id]
+
+
+def oracle_forward(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = case.make()
+    return oracle.attention(d["q"], d["k"], d["v"], mask=d["mask"], bias=d["bias"], **case.kwargs)
+
+
+def check_grads(case: Case, got: dict[str, np.ndarray]) -> None:
+    """Finite, within tolerance of the oracle, and exactly 0 for rows with no key."""
+    want = oracle_grads(case)
+    assert set(got) == set(want)
+    for name, g in got.items():
+        assert np.all(np.isfinite(g)), f"d{name} not finite"
+        np.testing.assert_allclose(g, want[name], err_msg=f"d{name}", **GRAD_TOL)
+    empty = np.isneginf(oracle_forward(case)[2])
+    assert np.all(got["q"][empty] == 0.0), "dq not exactly 0 on rows with no key"
+
+
+def test_cases_cover_the_contract() -> None:
+    for name in EMPTY:
+        assert np.isneginf(oracle_forward(BY_ID[name])[2]).any(), name
+    for c in CASES:  # block lengths that do not divide L, except where one block holds all
+        if c.id != "one_block":
+            assert c.q[-2] % c.chunk or c.k[-2] % c.chunk, c.id
+
+
+# ------------------------------------------------------------------------------------------
+# attend_backward: every backend
+
+
+def _backward_inputs(backend: Backend, case: Case) -> dict[str, Any]:
+    d = case.make()
+    arrays = {n: backend.asarray(d[n], "float64") for n in "qkv"}
+    arrays["mask"] = None if d["mask"] is None else backend.asarray(d["mask"])
+    arrays["bias"] = None if d["bias"] is None else backend.asarray(d["bias"], "float64")
+    return arrays
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_attend_backward_matches_oracle(backend: Backend, case: Case) -> None:
+    if backend.name == "jax" and case.id not in JAX_BACKWARD:
+        pytest.skip("JAX: the same backward scan runs every case in test_jax_grad_matches_oracle")
+    a = _backward_inputs(backend, case)
+    q, k, v = a["q"], a["k"], a["v"]
+    kw = {"mask": a["mask"], "bias": a["bias"], "chunk_size": case.chunk, **case.kwargs}
+    out, lse = attend(q, k, v, return_lse=True, **kw)
+    d = case.make()
+    lse_np = backend.to_numpy(lse)
+    dlse = np.where(np.isfinite(lse_np), d["w_lse"], 0.0)
+    before = [backend.to_numpy(x).copy() for x in (q, k, v, out, lse)]
+    grads = attend_backward(
+        backend.asarray(d["w_out"], "float64"),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse=backend.asarray(dlse, "float64"),
+        **kw,
+    )
+    assert isinstance(grads, Grads)
+    for name, g, x in zip("qkv", grads[:3], (q, k, v), strict=True):
+        assert_like(g, x, shape=tuple(x.shape), dtype=x.dtype, name=f"d{name}")
+    got = {n: backend.to_numpy(g) for n, g in zip("qkv", grads[:3], strict=True)}
+    if a["bias"] is None:
+        assert grads.dbias is None
+    else:
+        assert_like(grads.dbias, a["bias"], shape=tuple(a["bias"].shape), dtype=a["bias"].dtype)
+        got["bias"] = backend.to_numpy(grads.dbias)
+    check_grads(case, got)
+    for x, b in zip((q, k, v, out, lse), before, strict=True):  # inputs never modified
+        np.testing.assert_array_equal(backend.to_numpy(x), b)
+
+
+def test_attend_backward_takes_out_and_lse_from_elsewhere(backend: Backend) -> None:
+    """out and lse from the dense path (or from another shard's computation) serve as
+    well as the blockwise path's; and the gradients of two K/V shards, each given the
+    global out and lse, are the whole call's (dq summed): the decomposition sequence
+    parallelism relies on."""
+    case = BY_ID["causal_lq_lt_lk"]
+    a = _backward_inputs(backend, case)
+    q, k, v = a["q"], a["k"], a["v"]
+    out, lse = attend(q, k, v, return_lse=True, implementation="portable", **case.kwargs)
+    d = case.make()
+    dout, dlse = backend.asarray(d["w_out"], "float64"), backend.asarray(d["w_lse"], "float64")
+    whole = attend_backward(dout, q, k, v, out, lse, dlse=dlse, **case.kwargs)
+    check_grads(case, {n: backend.to_numpy(g) for n, g in zip("qkv", whole[:3], strict=True)})
+    # Two key shards [0, 4) and [4, 8) of the lower-right causal call (Lq=5, Lk=8): query i
+    # sees keys j <= i + 3, so each shard is the window of its offset (as a ring step).
+    q_np, k_np, v_np = d["q"], d["k"], d["v"]
+    dq = np.zeros_like(q_np)
+    for start, stop in ((0, 4), (4, 8)):
+        keep = oracle.allowed_positions(5, 8, causal=True)[:, start:stop]
+        ks, vs = (backend.asarray(x[..., start:stop, :], "float64") for x in (k_np, v_np))
+        part = attend_backward(dout, q, ks, vs, out, lse, dlse=dlse, mask=backend.asarray(keep))
+        dq += backend.to_numpy(part.dq)
+        np.testing.assert_allclose(
+            backend.to_numpy(part.dk), backend.to_numpy(whole.dk)[..., start:stop, :], **GRAD_TOL
+        )
+        np.testing.assert_allclose(
+            backend.to_numpy(part.dv), backend.to_numpy(whole.dv)[..., start:stop, :], **GRAD_TOL
+        )
+    np.testing.assert_allclose(dq, backend.to_numpy(whole.dq), **GRAD_TOL)
+
+
+@pytest.mark.parametrize(("lq", "lk"), [(0, 5), (4, 0), (0, 0)])
+def test_attend_backward_without_queries_or_keys(backend: Backend, lq: int, lk: int) -> None:
+    rng = rng_for("empty-backward", lq, lk)
+    q = backend.asarray(randn(rng, (2, 2, lq, 3)), "float64")
+    k = backend.asarray(randn(rng, (2, 1, lk, 3)), "float64")
+    v = backend.asarray(randn(rng, (2, 1, lk, 4)), "float64")
+    bias = backend.asarray(randn(rng, (lq, lk)), "float64")
+    out, lse = attend(q, k, v, bias=bias, chunk_size=2, return_lse=True)
+    dout = backend.asarray(randn(rng, (2, 2, lq, 4)), "float64")
+    grads = attend_backward(dout, q, k, v, out, lse, bias=bias, chunk_size=2)
+    for g, x in zip(grads, (q, k, v, bias), strict=True):
+        assert_like(g, x, shape=tuple(x.shape), dtype=x.dtype)
+        assert not np.any(backend.to_numpy(g))
+
+
+def test_attend_backward_half_precision(backend: Backend, float_dtype: str) -> None:
+    """16-bit inputs compute in float32 and return their own dtype; float32 lse accepted."""
+    case = BY_ID["gqa_causal"]
+    d = case.make()
+    q, k, v = (backend.asarray(d[n], float_dtype) for n in "qkv")
+    out, lse = attend(q, k, v, return_lse=True, chunk_size=3, **case.kwargs)
+    dout = backend.asarray(d["w_out"], float_dtype)
+    grads = attend_backward(dout, q, k, v, out, lse, chunk_size=3, **case.kwargs)
+    for g, x in zip(grads[:3], (q, k, v), strict=True):
+        assert_like(g, x, shape=tuple(x.shape), dtype=x.dtype)
+    ref = oracle.loss_grads(
+        *(backend.to_numpy(x) for x in (q, k, v)), backend.to_numpy(dout), **case.kwargs
+    )
+    tol = {"float64": 1e-6, "float32": 1e-4, "float16": 3e-2, "bfloat16": 2e-1}[float_dtype]
+    for g, w in zip(grads[:3], ref, strict=True):
+        np.testing.assert_allclose(backend.to_numpy(g), w, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------
+# Dropout: each block's keep mask drawn again in backward
+
+
+def _dropout_grads(backend: Backend, seed: int, chunk: int = 3) -> tuple[np.ndarray, ...]:
+    case = BY_ID["gqa_causal"]
+    d = case.make()
+    q, k, v = (backend.asarray(d[n], "float64") for n in "qkv")
+    kw = {"dropout": 0.4, "chunk_size": chunk, **case.kwargs}
+    out, lse = attend(q, k, v, rng=backend.make_rng(seed), return_lse=True, **kw)
+    dout = backend.asarray(d["w_out"], "float64")
+    grads = attend_backward(dout, q, k, v, out, lse, rng=backend.make_rng(seed), **kw)
+    return (backend.to_numpy(out), *(backend.to_numpy(g) for g in grads[:3]))
+
+
+def test_dropout_replay_same_rng_same_gradients(backend: Backend) -> None:
+    a, b, c = (_dropout_grads(backend, seed) for seed in (7, 7, 8))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.allclose(a[0], c[0]), "another rng drew the same keep masks"
+    assert not np.allclose(a[1], c[1]), "another rng gave the same gradients"
+
+
+def test_dropout_backward_is_the_forward_s_derivative(backend: Backend) -> None:
+    """The forward with dropout is a function of (q, k, v) for a fixed rng state: the
+    backward's dq, dk, dv match its central finite differences (NumPy float64)."""
+    if backend.name != "numpy":
+        pytest.skip("finite differences of the forward on NumPy stand for every backend")
+    case = BY_ID["gqa_causal"]
+    d = case.make()
+    kw = {"dropout": 0.4, "chunk_size": 3, **case.kwargs}
+    arrays = {n: d[n].copy() for n in "qkv"}
+
+    def f() -> float:
+        out = attend(arrays["q"], arrays["k"], arrays["v"], rng=np.random.default_rng(5), **kw)
+        return float(np.sum(out * d["w_out"]))
+
+    out, lse = attend(
+        *(arrays[n] for n in "qkv"), rng=np.random.default_rng(5), return_lse=True, **kw
+    )
+    grads = attend_backward(
+        d["w_out"], *(arrays[n] for n in "qkv"), out, lse, rng=np.random.default_rng(5), **kw
+    )
+    for name, g in zip("qkv", grads[:3], strict=True):
+        np.testing.assert_allclose(g, oracle.numerical_grad(f, arrays[name]), **GRAD_TOL)
+
+
+# ------------------------------------------------------------------------------------------
+# torch: the autograd.Function
+
+
+def _torch_case(case: Case, *, lse: bool = True, **extra: Any) -> dict[str, np.ndarray]:
+    import torch
+
+    d = case.make()
+    q, k, v = (torch.tensor(d[n], requires_grad=True) for n in "qkv")
+    bias = None if d["bias"] is None else torch.tensor(d["bias"], requires_grad=True)
+    mask = None if d["mask"] is None else torch.tensor(d["mask"])
+    kw = {"mask": mask, "bias": bias, "chunk_size": case.chunk, **case.kwargs, **extra}
+    out, lse_t = attend(q, k, v, return_lse=True, **kw)
+    loss = (out * torch.tensor(d["w_out"])).sum()
+    if lse:
+        loss = (
+            loss + (torch.where(torch.isfinite(lse_t), lse_t, 0.0) * torch.tensor(d["w_lse"])).sum()
+        )
+    loss.backward()
+    got = {n: t.grad.numpy() for n, t in zip("qkv", (q, k, v), strict=True)}
+    if bias is not None:
+        got["bias"] = bias.grad.numpy()
+    return got
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_torch_autograd_matches_oracle(case: Case) -> None:
+    check_grads(case, _torch_case(case))
+
+
+@requires_backend("torch")
+def test_torch_saves_no_scores_for_backward() -> None:
+    """What the blockwise path saves for backward is q, k, v, out and lse: no tensor of the
+    scores' size (the dense path saves several)."""
+    import torch
+
+    lq = lk = 64
+    q, k, v = (torch.randn(1, 2, lq, 8, requires_grad=True) for _ in range(3))
+    saved: list[int] = []
+
+    def pack(t: Any) -> Any:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attend(q, k, v, causal=True, softcap=5.0, chunk_size=16).sum().backward()
+    assert saved and max(saved) <= 2 * lq * 8, saved
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attend(q, k, v, causal=True, softcap=5.0, implementation="portable").sum()
+    assert max(saved) >= 2 * lq * lk  # the dense path: the contrast this test rests on
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize(
+    "name",
+    ["causal_lq_gt_lk", "bias_full_neginf", "mask_empty_rows", "softcap_scale", "mqa_window"],
+)
+def test_torch_gradcheck(name: str) -> None:
+    import torch
+
+    case = BY_ID[name]
+    d = case.make()
+    inputs = [torch.tensor(d[n], requires_grad=True) for n in "qkv"]
+    if d["bias"] is not None:
+        inputs.append(torch.tensor(d["bias"], requires_grad=True))
+    mask = None if d["mask"] is None else torch.tensor(d["mask"])
+
+    def f(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
+        out, lse = attend(
+            q, k, v, mask=mask, bias=bias, chunk_size=case.chunk, return_lse=True, **case.kwargs
+        )
+        return out, torch.where(torch.isfinite(lse), lse, 0.0)
+
+    assert torch.autograd.gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@requires_backend("torch")
+def test_torch_double_backward() -> None:
+    """A double backward differentiates the recorded blockwise backward (gradgradcheck)."""
+    import torch
+
+    case = BY_ID["softcap_scale"]
+    d = case.make()
+    inputs = tuple(torch.tensor(d[n], requires_grad=True) for n in "qkv")
+
+    def f(q: Any, k: Any, v: Any) -> Any:
+        return attend(q, k, v, chunk_size=case.chunk, **case.kwargs)
+
+    assert torch.autograd.gradgradcheck(f, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@requires_backend("torch")
+def test_torch_dropout_replay_and_gradcheck() -> None:
+    import torch
+
+    case = BY_ID["gqa_causal"]
+    d = case.make()
+
+    def grads(seed: int) -> list[np.ndarray]:
+        q, k, v = (torch.tensor(d[n], requires_grad=True) for n in "qkv")
+        out = attend(
+            q,
+            k,
+            v,
+            dropout=0.4,
+            rng=torch.Generator().manual_seed(seed),
+            chunk_size=3,
+            **case.kwargs,
+        )
+        (out * torch.tensor(d["w_out"])).sum().backward()
+        return [t.grad.numpy() for t in (q, k, v)]
+
+    a, b, c = grads(1), grads(1), grads(2)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.allclose(a[0], c[0])
+    inputs = tuple(torch.tensor(d[n], requires_grad=True) for n in "qkv")
+
+    def f(q: Any, k: Any, v: Any) -> Any:  # a fresh generator: the same masks every call
+        return attend(
+            q, k, v, dropout=0.4, rng=torch.Generator().manual_seed(3), chunk_size=3, **case.kwargs
+        )
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@requires_backend("torch")
+def test_torch_autograd_agrees_with_attend_backward() -> None:
+    """The Function's backward is attend_backward: the same numbers, dropout included."""
+    import torch
+
+    case = BY_ID["bias_keys_causal"]
+    d = case.make()
+    q, k, v = (torch.tensor(d[n], requires_grad=True) for n in "qkv")
+    bias = torch.tensor(d["bias"], requires_grad=True)
+    kw = {"bias": bias, "chunk_size": 2, "dropout": 0.3, **case.kwargs}
+    out, lse = attend(q, k, v, rng=torch.Generator().manual_seed(4), return_lse=True, **kw)
+    dout = torch.tensor(d["w_out"])
+    out.backward(dout)
+    with torch.no_grad():
+        grads = attend_backward(dout, q, k, v, out, lse, rng=torch.Generator().manual_seed(4), **kw)
+    for g, t in zip(grads, (q, k, v, bias), strict=True):
+        torch.testing.assert_close(g, t.grad, rtol=0, atol=0)
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize(("lq", "lk"), [(0, 5), (4, 0)])
+def test_torch_autograd_without_queries_or_keys(lq: int, lk: int) -> None:
+    import torch
+
+    q = torch.randn(1, 2, lq, 3, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, lk, 3, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    attend(q, k, v, chunk_size=2).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+
+
+@requires_backend("torch")
+def test_torch_float32_blockwise_grad() -> None:
+    import torch
+
+    case = BY_ID["softcap_scale"]
+    d = case.make()
+    q, k, v = (torch.tensor(d[n], dtype=torch.float32, requires_grad=True) for n in "qkv")
+    out = attend(q, k, v, chunk_size=case.chunk, **case.kwargs)
+    (out * torch.tensor(d["w_out"], dtype=torch.float32)).sum().backward()
+    want = oracle.loss_grads(d["q"], d["k"], d["v"], d["w_out"], **case.kwargs)
+    for t, w in zip((q, k, v), want, strict=True):
+        assert t.grad.dtype == torch.float32
+        np.testing.assert_allclose(t.grad.numpy(), w, rtol=1e-3, atol=1e-4)
+
+
+@requires_backend("torch")
+@pytest.mark.compile
+def test_torch_compile_fullgraph_forward_and_backward() -> None:
+    """The Function compiles with fullgraph=True, backward included (the blocks' Python
+    loops unroll into the graph: compile time grows with the number of blocks)."""
+    import torch
+
+    case = BY_ID["bias_keys_causal"]
+    d = case.make()
+
+    def run(fn: Any) -> list[Any]:
+        q, k, v = (torch.tensor(d[n], requires_grad=True) for n in "qkv")
+        bias = torch.tensor(d["bias"], requires_grad=True)
+        out = fn(q, k, v, bias)
+        (out * torch.tensor(d["w_out"])).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, bias.grad]
+
+    def f(q: Any, k: Any, v: Any, bias: Any) -> Any:
+        return attend(q, k, v, bias=bias, chunk_size=3, softcap=4.0, **case.kwargs)
+
+    compiled = run(torch.compile(f, fullgraph=True))
+    for a, b in zip(compiled, run(f), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# JAX: the custom_vjp over lax.scan
+
+
+def _jax_loss(case: Case, **extra: Any) -> tuple[Any, tuple[Any, ...]]:
+    import jax.numpy as jnp
+
+    d = case.make()
+    mask = None if d["mask"] is None else jnp.asarray(d["mask"])
+    w_out, w_lse = jnp.asarray(d["w_out"]), jnp.asarray(d["w_lse"])
+    kw = {"mask": mask, "chunk_size": case.chunk, **case.kwargs, **extra}
+
+    def loss(q: Any, k: Any, v: Any, bias: Any) -> Any:
+        out, lse = attend(q, k, v, bias=bias, return_lse=True, **kw)
+        return (out * w_out).sum() + (jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse).sum()
+
+    bias = None if d["bias"] is None else jnp.asarray(d["bias"])
+    return loss, (*(jnp.asarray(d[n]) for n in "qkv"), bias)
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_jax_grad_matches_oracle(case: Case) -> None:
+    import jax
+
+    loss, args = _jax_loss(case)
+    argnums = (0, 1, 2, 3) if args[3] is not None else (0, 1, 2)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+    names = ("q", "k", "v", "bias")[: len(grads)]
+    check_grads(case, {n: np.asarray(g) for n, g in zip(names, grads, strict=True)})
+
+
+@requires_backend("jax")
+def test_jax_eager_grad_and_vmap() -> None:
+    """Eager grad equals jitted; vmap over the batch of a grad equals per-example grads."""
+    import jax
+    import jax.numpy as jnp
+
+    case = BY_ID["mqa_window"]  # batch 2
+    d = case.make()
+    q, k, v = (jnp.asarray(d[n]) for n in "qkv")
+    kw = {"chunk_size": case.chunk, **case.kwargs}
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        return (attend(q, k, v, **kw) * jnp.asarray(d["w_out"][0])).sum()
+
+    eager = jax.grad(loss, argnums=(0, 1, 2))(q[0], k[0], v[0])
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[0], k[0], v[0])
+    batched = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v)
+    want = oracle.loss_grads(d["q"][0], d["k"][0], d["v"][0], d["w_out"][0], **case.kwargs)
+    for e, j, b, w in zip(eager, jitted, batched, want, strict=True):
+        np.testing.assert_allclose(np.asarray(e), np.asarray(j), rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(np.asarray(b[0]), np.asarray(e), rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(np.asarray(e), w, **GRAD_TOL)
+
+
+@requires_backend("jax")
+def test_jax_program_does_not_grow_with_length() -> None:
+    """Forward and backward each loop over the blocks with one lax.scan: the jaxpr of
+    grad has the same number of equations at L=32 and L=256 (compile time cannot grow
+    with L; the figures are in the benchmark)."""
+    import jax
+    import jax.numpy as jnp
+
+    def size(length: int) -> int:
+        q = jnp.ones((1, 2, length, 8))
+
+        def loss(q: Any) -> Any:
+            return attend(q, q, q, causal=True, softcap=3.0, chunk_size=8).sum()
+
+        return len(jax.make_jaxpr(jax.grad(loss))(q).eqns), len(
+            str(jax.make_jaxpr(jax.grad(loss))(q))
+        )
+
+    small, large = size(32), size(256)
+    assert small[0] == large[0]
+    assert abs(small[1] - large[1]) < 0.02 * small[1]
+
+
+@requires_backend("jax")
+def test_jax_saves_no_scores_for_backward() -> None:
+    """The residuals of jax.vjp are q, k, v, out and lse (no array of the scores' size)."""
+    import jax
+    import jax.numpy as jnp
+
+    lq = 64
+    q = jnp.ones((1, 2, lq, 8))
+    _, vjp = jax.vjp(lambda q: attend(q, q, q, causal=True, chunk_size=16), q)
+    sizes = [x.size for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "size")]
+    assert sizes and max(sizes) <= 2 * lq * 8, sizes
+
+
+@requires_backend("jax")
+def test_jax_dropout_replay() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    case = BY_ID["gqa_causal"]
+    d = case.make()
+    q, k, v = (jnp.asarray(d[n]) for n in "qkv")
+    kw = {"dropout": 0.4, "chunk_size": 3, **case.kwargs}
+
+    def loss(q: Any, k: Any, v: Any, key: Any) -> Any:
+        return (attend(q, k, v, rng=key, **kw) * jnp.asarray(d["w_out"])).sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    a, b, c = (grad(q, k, v, jax.random.key(s)) for s in (1, 1, 2))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.allclose(np.asarray(a[0]), np.asarray(c[0]))
+    # jax.grad's backward is attend_backward's: the same keep masks from the same key
+    key = jax.random.key(1)
+    out, lse = attend(q, k, v, rng=key, return_lse=True, **kw)
+    grads = attend_backward(jnp.asarray(d["w_out"]), q, k, v, out, lse, rng=key, **kw)
+    for x, y in zip(a, grads[:3], strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-13)
+    # and it is the derivative of the forward with that key: a central difference along
+    # a random direction of q
+    direction = jnp.asarray(rng_for("jax-dropout-direction").standard_normal(q.shape))
+    h = 1e-6
+    numeric = (loss(q + h * direction, k, v, key) - loss(q - h * direction, k, v, key)) / (2 * h)
+    np.testing.assert_allclose(float(numeric), float(jnp.sum(a[0] * direction)), rtol=1e-6)
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize(("lq", "lk"), [(0, 5), (4, 0)])
+def test_jax_grad_without_queries_or_keys(lq: int, lk: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = jnp.ones((1, 2, lq, 3)), jnp.ones((1, 2, lk, 3)), jnp.ones((1, 2, lk, 3))
+    grads = jax.grad(lambda q, k, v: attend(q, k, v, chunk_size=2).sum(), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    for g, x in zip(grads, (q, k, v), strict=True):
+        assert g.shape == x.shape and not np.asarray(g).any()
+
+
+# ------------------------------------------------------------------------------------------
+# plan(): auto takes the blockwise path where autodiff would save large probabilities
+
+
+@requires_backend("torch")
+def test_torch_auto_plans() -> None:
+    import torch
+
+    q = torch.zeros(1, 8, 1024, 64)
+    p = plan(q, q, q, causal=True, softcap=30.0)  # SDPA has no softcap
+    assert p.path == "portable:blockwise"
+    assert "save" in p.reason and "MiB" in p.reason
+    assert plan(q, q, q, causal=True).path == "fused:torch"  # SDPA keeps what it covers
+    small = torch.zeros(1, 8, 128, 64)
+    assert plan(small, small, small, softcap=30.0).path == "portable"
+    assert plan(q, q, q, softcap=30.0, return_weights=True).path == "portable"
+
+
+@requires_backend("jax")
+def test_jax_auto_plans() -> None:
+    import jax.numpy as jnp
+
+    q = jnp.zeros((1, 8, 1024, 64), jnp.float32)
+    p = plan(q, q, q, causal=True)
+    assert p.path == "portable:blockwise", p
+    assert "save" in p.reason
+    mid = jnp.zeros((1, 8, 512, 64), jnp.float32)
+    assert plan(mid, mid, mid, causal=True).path == "native:jax"
+
+
+@requires_backend("numpy")
+def test_numpy_auto_keeps_its_native_kernel() -> None:
+    """No autodiff on NumPy: nothing is saved, the native kernel keeps large calls."""
+    q = np.zeros((1, 8, 1024, 64), np.float32)
+    assert plan(q, q, q, causal=True).path == "native:numpy"
+
+
+# ------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_attend_backward_errors(backend: Backend) -> None:
+    rng = rng_for("backward-errors")
+    q, k, v = (backend.asarray(randn(rng, (1, 2, 4, 3)), "float64") for _ in range(3))
+    out, lse = attend(q, k, v, return_lse=True)
+    dout = backend.asarray(randn(rng, (1, 2, 4, 3)), "float64")
+    with pytest.raises(ValueError, match=r"`dout` must have the output's shape"):
+        attend_backward(dout[..., :2, :], q, k, v, out, lse)
+    with pytest.raises(ValueError, match=r"`out` must have"):
+        attend_backward(dout, q, k, v, out[..., :2], lse)
+    with pytest.raises(ValueError, match=r"`lse` must have lse's shape"):
+        attend_backward(dout, q, k, v, out, out)
+    with pytest.raises(ValueError, match=r"`dlse`"):
+        attend_backward(dout, q, k, v, out, lse, dlse=out)
+    with pytest.raises(TypeError, match=r"`dout`"):
+        attend_backward(backend.asarray(np.ones((1, 2, 4, 3), dtype=np.int64)), q, k, v, out, lse)
+    with pytest.raises(TypeError, match=r"`dout`"):
+        attend_backward(
+            np.ones((1, 2, 4, 3)) if backend.name != "numpy" else [1.0], q, k, v, out, lse
+        )
+    with pytest.raises(ValueError, match=r"`causal`"):
+        attend_backward(dout, q, k, v, out, lse, causal="left")
+    with pytest.raises(TypeError, match=r"`rng`"):
+        attend_backward(dout, q, k, v, out, lse, dropout=0.1, rng=backend.wrong_rng())
