@@ -1,0 +1,408 @@
+"""Sequence parallelism: attention over a sequence sharded across devices.
+
+- :func:`ring_attend`: ring attention. Each shard keeps its queries; the K/V shards
+  travel the ring (``lax.ppermute`` inside ``jax.shard_map``; ``batch_isend_irecv`` on
+  torch.distributed) and each step's blocks merge by log-sum-exp. Exact against one
+  device, with a backward that sends K/V around again together with their gradients.
+- :func:`ulysses_attend`: all-to-all from sequence shards to head shards, plain
+  :func:`portable_attention.attend` with its whole contract, all-to-all back.
+- :func:`sharded_attend` (JAX): either of them on global arrays over a mesh axis.
+- :func:`reorder` / :func:`restore`: the permutation of a layout (``"contiguous"``,
+  ``"zigzag"``) on any array-API array; :func:`schedule`: the ring's steps and their work.
+
+The framework code lives in ``portable_attention.parallel._jax`` and ``._torch``, imported
+only when that framework's arrays arrive; the layouts, the schedule and the lse merge are
+array-API code shared by both.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from portable_attention import _spec
+from portable_attention._checks import type_name
+from portable_attention.parallel._layout import (
+    LAYOUTS,
+    check_layout,
+    check_shards,
+    permute,
+    prepare,
+)
+from portable_attention.parallel._schedule import Block, Schedule, Step
+from portable_attention.parallel._schedule import schedule as _schedule
+
+__all__ = [
+    "LAYOUTS",
+    "Block",
+    "Schedule",
+    "Step",
+    "reorder",
+    "restore",
+    "ring_attend",
+    "schedule",
+    "sharded_attend",
+    "ulysses_attend",
+]
+
+_FRAMEWORKS = {"jax": "_jax", "torch": "_torch"}
+
+
+def _framework(backend: str, what: str) -> Any:
+    """The module of ``backend``'s collectives, imported now (never before its arrays
+    arrive)."""
+    module = _FRAMEWORKS.get(backend)
+    if module is None:
+        msg = (
+            f"`{what}` runs on JAX arrays (inside `jax.shard_map`) and torch tensors (on "
+            f"torch.distributed ranks), got {backend} arrays; on one device call "
+            "`portable_attention.attend`."
+        )
+        raise TypeError(msg)
+    return importlib.import_module(f"{__name__}.{module}")
+
+
+def _where(backend: str, axis_name: object, group: object, what: str) -> None:
+    """``axis_name`` goes with JAX arrays, ``group`` with torch tensors: the other one is
+    a TypeError that says which to pass."""
+    if backend == "jax" and group is not None:
+        msg = (
+            f"`group` is torch.distributed's, but `{what}` got JAX arrays: pass the mesh axis "
+            "the sequence is sharded over as `axis_name=` inside `jax.shard_map`."
+        )
+        raise TypeError(msg)
+    if backend == "torch" and axis_name is not None:
+        msg = (
+            f"`axis_name` names a JAX mesh axis, but `{what}` got torch tensors: pass a "
+            "torch.distributed ProcessGroup (or a 1-D DeviceMesh) as `group=`, or nothing "
+            "for the world group."
+        )
+        raise TypeError(msg)
+
+
+def ring_attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    axis_name: Any = None,
+    group: Any = None,
+    layout: str = "zigzag",
+    causal: bool | str = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    chunk_size: int | None = None,
+) -> Any:
+    """Ring attention over a sequence sharded across devices; called on every shard.
+
+    Each shard passes its local ``q``, ``k``, ``v``; the result is this shard's rows of
+    ``attend`` over the whole sequence. The K/V shards travel the ring with their ``Hk``
+    heads (never expanded for grouped queries); each step's blocks are
+    :func:`portable_attention.attend` calls merged by a guarded log-sum-exp merge. Ring
+    steps that ``causal``/``window`` leave empty on every shard are skipped.
+
+    Parameters
+    ----------
+    q, k, v : arrays ``[..., H, L/P, D]``
+        This shard's slices of the sequence (axis -2), in ``layout``'s order: JAX arrays
+        inside ``jax.shard_map``, or torch tensors on a torch.distributed rank.
+    axis_name : str, JAX only
+        The mesh axis the sequence is sharded over (bound by the enclosing
+        ``shard_map``).
+    group : ProcessGroup or 1-D DeviceMesh, torch only
+        The ranks of the ring, in shard order (default: the world group).
+    layout : {"zigzag", "contiguous"}
+        Which positions each shard holds (see :func:`reorder`). ``"zigzag"`` balances
+        causal work; ``"contiguous"`` suits windows narrower than a shard.
+    causal, window, scale, softcap, chunk_size
+        As :func:`portable_attention.attend`, in global positions (causal is lower-right
+        over the global lengths ``P * L/P``).
+    return_lse : bool
+        Also return this shard's rows of the logsumexp ``[..., H, L/P]``.
+
+    Returns
+    -------
+    out ``[..., Hq, L/P, Dv]`` in the input dtype, or ``(out, lse)``.
+        Rows with no key on any shard give ``out = 0`` and ``lse = -inf`` (never NaN).
+
+    Raises
+    ------
+    ValueError
+        An unbound ``axis_name``, a global length the layout cannot split (zigzag needs
+        multiples of ``2P``), shards of unequal shapes across ranks, or any of
+        :func:`~portable_attention.attend`'s checks.
+    TypeError
+        Arrays other than JAX or torch, ``group`` with JAX arrays or ``axis_name`` with
+        torch tensors, a ``group`` that is not a ProcessGroup.
+
+    Notes
+    -----
+    Differentiable: the backward is a ``jax.custom_vjp`` / ``torch.autograd.Function``
+    built on :func:`portable_attention.attend_backward`, which sends each K/V shard around
+    the ring once more together with its ``dk``/``dv`` accumulators; it saves only
+    ``q, k, v, out, lse`` of the local shard (``O(L/P * D)`` per device).
+    """
+    layout = check_layout(layout)
+    call = _spec.validate_call(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        return_lse=return_lse,
+    )
+    _where(call.backend, axis_name, group, "ring_attend")
+    module = _framework(call.backend, "ring_attend")
+    if call.backend == "jax":
+        return module.ring_attend(call, q, k, v, axis_name, layout)
+    return module.ring_attend(call, q, k, v, group, layout)
+
+
+def check_heads(hq: int, hk: int, size: int) -> None:
+    """Ulysses splits heads over the shards: ``Hq % P == 0``, and ``Hk % P == 0`` or
+    ``P % Hk == 0`` (K/V heads are then repeated ``P / Hk`` times)."""
+    if hq % size != 0 or not (hk % size == 0 or size % hk == 0):
+        msg = (
+            f"ulysses_attend splits the heads over the {size} shards: it needs the query "
+            f"heads Hq={hq} to be a multiple of P={size}, and the key/value heads Hk={hk} a "
+            f"multiple of P or a divisor of it (K/V heads are then repeated); use "
+            "ring_attend, which has no such condition, or a sequence axis of another size."
+        )
+        raise ValueError(msg)
+
+
+def ulysses_attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    axis_name: Any = None,
+    group: Any = None,
+    layout: str = "contiguous",
+    **options: Any,
+) -> Any:
+    """DeepSpeed-Ulysses attention: all-to-all from sequence shards to head shards, one
+    :func:`portable_attention.attend` over the whole sequence, all-to-all back.
+
+    Parameters
+    ----------
+    q, k, v : arrays ``[..., H, L/P, D]``
+        This shard's slices of the sequence (as :func:`ring_attend`). Needs
+        ``Hq % P == 0`` and ``Hk % P == 0`` or ``P % Hk == 0``.
+    axis_name, group
+        As :func:`ring_attend`.
+    layout : {"contiguous", "zigzag"}
+        The order the shards hold the sequence in (as :func:`ring_attend`); the
+        whole-sequence call sees it in natural order either way.
+    **options
+        Every option of :func:`portable_attention.attend`, with ``mask``/``bias``
+        broadcastable to the **global** ``[..., Hq, Lq, Lk]`` in natural positions (each
+        shard takes its heads). ``rng``: JAX keys are folded with the shard index, so
+        each shard's heads draw their own dropout; torch ranks use their own generator.
+
+    Returns
+    -------
+    As ``attend``: ``out [..., Hq, L/P, Dv]`` (this shard's rows), and where asked
+    ``weights [..., Hq, L/P, Lk]`` (all keys, natural order) and ``lse [..., Hq, L/P]``.
+    """
+    layout = check_layout(layout)
+    xp, backend, _device = _spec.check_arrays(q=q, k=k, v=v)
+    _where(backend, axis_name, group, "ulysses_attend")
+    module = _framework(backend, "ulysses_attend")
+    if q.ndim < 3 or k.ndim < 3:
+        msg = (
+            f"ulysses_attend splits the heads (axis -3) over the shards: q, k, v need "
+            f"[..., H, L, D], got q {tuple(q.shape)}, k {tuple(k.shape)}."
+        )
+        raise ValueError(msg)
+    if backend == "jax":
+        link = axis_name
+        size = module.axis_size(axis_name)
+        index = module.shard_index(axis_name)
+    else:
+        link = module.resolve_group(group, q)
+        size, index = module.group_size(link), module.group_rank(link)
+        module.check_equal_shards(link, q=q, k=k, v=v)
+    hq, hk = q.shape[-3], k.shape[-3]
+    check_heads(hq, hk, size)
+    if hk % size != 0:  # P % Hk == 0: each shard's query heads use one K/V head
+        k, v = (_repeat_heads(xp, x, size // hk) for x in (k, v))
+    qh, kh, vh = (module.seq_to_heads(x, link) for x in (q, k, v))
+    if layout != "contiguous":  # the all-to-all concatenates the shards in shard order
+        qh, kh, vh = (permute(xp, x, size, layout, x.ndim - 2, inverse=True) for x in (qh, kh, vh))
+    heads = hq // size
+    for name in ("mask", "bias"):
+        x = options.get(name)
+        if x is not None and x.ndim >= 3 and x.shape[-3] == hq and hq != heads:
+            options[name] = module.head_slice(x, index * heads, heads, -3)
+    if backend == "jax" and options.get("rng") is not None:
+        options["rng"] = module.fold_rng(options["rng"], index)
+    result = _attend(qh, kh, vh, options)
+    return_weights = bool(options.get("return_weights", False))
+    return_lse = bool(options.get("return_lse", False))
+    items = list(result) if isinstance(result, tuple) else [result]
+    back = []
+    for position, item in enumerate(items):
+        is_lse = return_lse and position == len(items) - 1
+        seq = -1 if is_lse else -2
+        if layout != "contiguous":
+            item = permute(xp, item, size, layout, item.ndim + seq, inverse=False)
+        back.append(module.heads_to_seq(item, link, heads=seq - 1, seq=seq))
+    del return_weights
+    return tuple(back) if isinstance(result, tuple) else back[0]
+
+
+def _attend(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Any:
+    from portable_attention import attend
+
+    return attend(q, k, v, **options)
+
+
+def _repeat_heads(xp: Any, x: Any, times: int) -> Any:
+    """``[..., Hk, L, D] -> [..., Hk * times, L, D]``, each head repeated in place."""
+    *lead, h, length, d = x.shape
+    wide = xp.broadcast_to(xp.reshape(x, (*lead, h, 1, length, d)), (*lead, h, times, length, d))
+    return xp.reshape(wide, (*lead, h * times, length, d))
+
+
+def sharded_attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mesh: Any,
+    axis: str,
+    method: str = "ring",
+    layout: str | None = None,
+    **options: Any,
+) -> Any:
+    """JAX: attention on global arrays whose sequence is sharded over a mesh axis.
+
+    Runs :func:`ring_attend` or :func:`ulysses_attend` under ``jax.shard_map`` over
+    ``mesh``, with q, k, v sharded along the sequence (axis -2) over ``axis``: each
+    shard's contiguous block is re-distributed into ``layout`` by ``ppermute`` inside
+    (no gather) and the result comes back in natural order, sharded the same way. Works
+    on Explicit meshes (``jax.make_mesh``'s default) and Auto ones, eagerly and under
+    ``jax.jit``.
+
+    Parameters
+    ----------
+    q, k, v : JAX arrays ``[..., H, L, D]``
+        The global arrays (resharded onto the mesh where they are not already).
+    mesh : jax.sharding.Mesh
+    axis : str
+        The mesh axis to shard the sequence over.
+    method : {"ring", "ulysses"}
+    layout : {"zigzag", "contiguous"}, optional
+        The ring's layout (default ``"zigzag"``; Ulysses: ``"contiguous"``, where the
+        layout changes nothing but the cost of moving data).
+    **options
+        The options of :func:`ring_attend` or :func:`ulysses_attend`.
+
+    Returns
+    -------
+    As ``attend`` on the global arrays, sharded along the sequence over ``axis``.
+    """
+    if method not in ("ring", "ulysses"):
+        msg = f"`method` must be 'ring' or 'ulysses', got {method!r}."
+        raise ValueError(msg)
+    chosen = check_layout(
+        layout if layout is not None else ("zigzag" if method == "ring" else "contiguous")
+    )
+    _xp, backend, _device = _spec.check_arrays(q=q, k=k, v=v)
+    if backend != "jax":
+        msg = (
+            f"sharded_attend takes JAX arrays and a JAX mesh, got {backend} arrays; on "
+            "torch.distributed call ring_attend/ulysses_attend on each rank's shard."
+        )
+        raise TypeError(msg)
+    for name in ("axis_name", "group"):
+        if name in options:
+            msg = f"sharded_attend takes the mesh axis as `axis=`, not `{name}=`."
+            raise TypeError(msg)
+    if method == "ring":
+        unknown = sorted(set(options) - _RING_OPTIONS)
+        if unknown:
+            msg = (
+                f"ring_attend does not take {unknown}; its options are "
+                f"{sorted(_RING_OPTIONS)} (mask, bias, dropout and weights: method='ulysses')."
+            )
+            raise TypeError(msg)
+    module = _framework("jax", "sharded_attend")
+    return module.sharded_attend(
+        q, k, v, mesh=mesh, axis=axis, method=method, layout=chosen, extra=options
+    )
+
+
+_RING_OPTIONS = {"causal", "window", "scale", "softcap", "return_lse", "chunk_size"}
+
+
+def reorder(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:
+    """Permute a global array so that an even split along ``axis`` gives each of
+    ``num_shards`` shards the positions ``layout`` assigns it.
+
+    ``"contiguous"`` is the identity. ``"zigzag"`` cuts ``axis`` into ``2P`` chunks and
+    orders them ``0, 2P-1, 1, 2P-2, ...``: shard ``r`` gets chunks ``r`` and ``2P-1-r``.
+    Works on any array-API array (reshapes, a flip and a stack: no gather), and on JAX
+    arrays sharded along ``axis`` over a mesh axis of ``num_shards`` devices by moving
+    half-shards between them (Explicit and Auto meshes).
+
+    Raises
+    ------
+    ValueError
+        An unknown layout, ``num_shards < 1``, or a length along ``axis`` that the layout
+        cannot split (zigzag: a multiple of ``2P``).
+    """
+    return _permute(x, num_shards, layout, axis, inverse=False)
+
+
+def restore(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:
+    """The inverse of :func:`reorder`: shard order back to natural positions."""
+    return _permute(x, num_shards, layout, axis, inverse=True)
+
+
+def _permute(x: Any, num_shards: int, layout: str, axis: int, *, inverse: bool) -> Any:
+    if not hasattr(x, "shape") or not hasattr(x, "ndim"):
+        msg = f"`x` must be an array, got {type_name(x)}."
+        raise TypeError(msg)
+    shards, name, ax = prepare(x, num_shards, layout, axis)
+    xp, backend, _device = _spec.check_arrays(x=x)
+    if backend == "jax" and name != "contiguous" and shards > 1:
+        moved = _framework("jax", "reorder").permute_sharded(x, shards, name, ax, inverse=inverse)
+        if moved is not None:
+            return moved
+    return permute(xp, x, shards, name, ax, inverse=inverse)
+
+
+def schedule(
+    num_shards: int,
+    layout: str,
+    q_length: int,
+    k_length: int | None = None,
+    *,
+    causal: bool | str = False,
+    window: int | tuple[int | None, int | None] | None = None,
+) -> Schedule:
+    """The ring's schedule for global lengths ``q_length`` and ``k_length`` (default
+    ``q_length``): per step, the blocks each shard computes (:class:`Schedule`), with
+    :meth:`Schedule.work` and :meth:`Schedule.balance` for the load balance."""
+    shards = check_shards(num_shards)
+    name = check_layout(layout)
+    k_length = q_length if k_length is None else k_length
+    from portable_attention.parallel._layout import check_length
+
+    check_length(q_length, shards, name, name="`q_length`")
+    check_length(k_length, shards, name, name="`k_length`")
+    return _schedule(
+        shards,
+        name,
+        int(q_length),
+        int(k_length),
+        _spec.normalize_causal(causal),
+        _spec.normalize_window(window),
+    )

@@ -1,0 +1,424 @@
+"""JAX: the ring with ``lax.ppermute`` and Ulysses with ``lax.all_to_all`` inside
+``jax.shard_map``, the layouts' re-distribution between shards, and ``sharded_attend``.
+
+Imported only when JAX arrays reach :mod:`portable_attention.parallel`.
+
+Every shard runs one program (SPMD): where the schedule gives shards different blocks at
+a step, the step is a ``lax.switch`` over the distinct block lists, indexed by the shard's
+``lax.axis_index`` (a shard runs only its own branch). The ring is a ``jax.custom_vjp``:
+the forward saves ``q, k, v, out, lse`` of the local shard (``O(L/P * D)``), and the
+backward sends each K/V shard around the ring again together with its ``dk``/``dv``
+accumulators, which return to their owner at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from portable_attention import _spec
+from portable_attention.parallel import _layout, _ring
+from portable_attention.parallel._schedule import Block, Schedule, Step, schedule
+
+XP = None  # the array-API namespace of JAX arrays, bound on first use
+
+
+def _xp() -> Any:
+    global XP
+    if XP is None:
+        import array_api_compat
+
+        XP = array_api_compat.array_namespace(jnp.zeros(1))
+    return XP
+
+
+def axis_size(axis_name: object) -> int:
+    """The size of the bound mesh axis ``axis_name``; a ValueError that says where to
+    call from where it is not bound."""
+    if axis_name is None:
+        msg = (
+            "`axis_name` is required for JAX arrays: call ring_attend/ulysses_attend inside "
+            "`jax.shard_map` with the name of the mesh axis the sequence is sharded over "
+            "(e.g. `axis_name='seq'`), or call `sharded_attend(q, k, v, mesh=..., axis=...)` "
+            "on global arrays."
+        )
+        raise ValueError(msg)
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        msg = (
+            f"`axis_name={axis_name!r}` is not a bound mesh axis here: call this inside "
+            f"`jax.shard_map(..., mesh=mesh)` over a mesh with an axis named {axis_name!r} "
+            "(or use `sharded_attend(q, k, v, mesh=..., axis=...)` on global arrays)."
+        )
+        raise ValueError(msg) from None
+
+
+def _shift(axis_name: Any, size: int, shift: int, tree: Any) -> Any:
+    """Each shard sends ``tree`` to shard ``r + shift`` (receives from ``r - shift``)."""
+    shift %= size
+    if shift == 0:
+        return tree
+    perm = [(r, (r + shift) % size) for r in range(size)]
+    return jax.lax.ppermute(tree, axis_name, perm)
+
+
+def _varying(x: Any, *like: Any) -> Any:
+    """``x`` marked as varying over every manual axis that ``like`` varies over (the
+    branches of a ``lax.switch`` inside ``shard_map`` must agree on it)."""
+    want: set[Any] = set()
+    for y in like:
+        want |= set(jax.typeof(y).manual_axis_type.varying)
+    missing = want - set(jax.typeof(x).manual_axis_type.varying)
+    if not missing:
+        return x
+    return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
+
+
+def _per_shard(
+    axis_name: Any, step: Step, run: Callable[[tuple[Block, ...]], Callable[..., Any]], *ops: Any
+) -> Any:
+    """``run(blocks)(*ops)`` with this shard's blocks of ``step``: one call where every
+    shard has the same blocks, else a ``lax.switch`` on the axis index."""
+    distinct = list(dict.fromkeys(step.blocks))
+    if len(distinct) == 1:
+        return run(distinct[0])(*ops)
+    table = jnp.asarray([distinct.index(b) for b in step.blocks], dtype=jnp.int32)
+    index = table[jax.lax.axis_index(axis_name)]
+    return jax.lax.switch(index, [run(blocks) for blocks in distinct], *ops)
+
+
+def _forward(
+    axis_name: Any, plan: Schedule, options: _ring.Options, q: Any, k: Any, v: Any
+) -> tuple[Any, Any]:
+    """``(out, lse)`` of the local query rows, in the compute dtype."""
+    xp = _xp()
+    compute = _spec.compute_dtype_for(xp, q.dtype)
+    qc = q.astype(compute)
+    out = _varying(jnp.zeros((*q.shape[:-1], v.shape[-1]), compute), q, k, v)
+    lse = _varying(jnp.full(q.shape[:-1], -jnp.inf, compute), q, k, v)
+
+    def run(blocks: tuple[Block, ...]) -> Callable[..., Any]:
+        def step(out: Any, lse: Any, kb: Any, vb: Any) -> tuple[Any, Any]:
+            kc, vc = kb.astype(compute), vb.astype(compute)
+            return _ring.forward_blocks(xp, blocks, options, out, lse, qc, kc, vc)
+
+        return step
+
+    size = plan.num_shards
+    held, kv = 0, (k, v)
+    shifts = [s.shift for s in plan.steps]
+    for i, step in enumerate(plan.steps):
+        if step.shift != held:
+            kv, held = _shift(axis_name, size, step.shift - held, kv), step.shift
+        # The next shard's transfer is issued before this step's compute (XLA overlaps the
+        # collective-permute with it where the backend can).
+        upcoming = None
+        if i + 1 < len(shifts) and shifts[i + 1] != held:
+            upcoming = _shift(axis_name, size, shifts[i + 1] - held, kv)
+        out, lse = _per_shard(axis_name, step, run, out, lse, *kv)
+        if upcoming is not None:
+            kv, held = upcoming, shifts[i + 1]
+    return out, lse
+
+
+def _backward(
+    axis_name: Any,
+    plan: Schedule,
+    options: _ring.Options,
+    residuals: tuple[Any, ...],
+    cotangents: tuple[Any, Any],
+) -> tuple[Any, Any, Any]:
+    xp = _xp()
+    q, k, v, out, lse = residuals
+    dout, dlse = cotangents
+    compute = out.dtype
+    qc = q.astype(compute)
+    given_dlse = dlse.astype(compute) if options.return_lse else None
+    saved = (dout.astype(compute), qc, out, lse, given_dlse)
+    dq = _varying(jnp.zeros(q.shape, compute), q, k, v, dout)
+    dk = _varying(jnp.zeros(k.shape, compute), q, k, v, dout)
+    dv = _varying(jnp.zeros(v.shape, compute), q, k, v, dout)
+
+    def run(blocks: tuple[Block, ...]) -> Callable[..., Any]:
+        def step(dq: Any, kb: Any, vb: Any, dk: Any, dv: Any) -> tuple[Any, Any, Any]:
+            kc, vc = kb.astype(compute), vb.astype(compute)
+            return _ring.backward_blocks(xp, blocks, options, (dq, dk, dv), saved, kc, vc)
+
+        return step
+
+    size = plan.num_shards
+    held, kv = 0, (k, v)
+    for step in plan.steps:
+        if step.shift != held:
+            # K/V go first (they do not wait for this step's compute); their gradient
+            # accumulators follow them once computed.
+            kv = _shift(axis_name, size, step.shift - held, kv)
+            dk, dv = _shift(axis_name, size, step.shift - held, (dk, dv))
+            held = step.shift
+        dq, dk, dv = _per_shard(axis_name, step, run, dq, *kv, dk, dv)
+    dk, dv = _shift(axis_name, size, -held, (dk, dv))  # home to their owners
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.lru_cache(maxsize=128)
+def _ring_function(axis_name: Any, plan: Schedule, options: _ring.Options) -> Any:
+    """The ring's ``custom_vjp`` function of ``(q, k, v) -> (out, lse)`` for one
+    configuration (cached: a repeated trace reuses it)."""
+
+    @jax.custom_vjp
+    def ring(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        out, lse = _forward(axis_name, plan, options, q, k, v)
+        return out.astype(q.dtype), lse
+
+    def ring_fwd(q: Any, k: Any, v: Any) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+        out, lse = _forward(axis_name, plan, options, q, k, v)
+        return (out.astype(q.dtype), lse), (q, k, v, out, lse)
+
+    def ring_bwd(residuals: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
+        return _backward(axis_name, plan, options, residuals, cotangents)
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring
+
+
+def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, axis_name: Any, layout: str) -> Any:
+    """The ring on JAX arrays (checked by the caller): see
+    :func:`portable_attention.parallel.ring_attend`."""
+    size = axis_size(axis_name)
+    lq, lk = q.shape[-2] * size, k.shape[-2] * size
+    _layout.check_length(
+        lq, size, layout, name=f"the global query sequence ({size} shards of {q.shape[-2]})"
+    )
+    _layout.check_length(
+        lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
+    )
+    plan = schedule(size, layout, lq, lk, call.causal, call.window)
+    options = _ring.Options.of(call)
+    out, lse = _ring_function(axis_name, plan, options)(q, k, v)
+    return (out, lse) if call.return_lse else out
+
+
+# -- Ulysses ----------------------------------------------------------------------------
+
+
+def seq_to_heads(x: Any, axis_name: Any, *, heads: int = -3, seq: int = -2) -> Any:
+    """``[..., H, L/P, D] -> [..., H/P, L, D]``: the all-to-all of Ulysses (the shard
+    order of the sequence is kept: shard 0's positions first)."""
+    return jax.lax.all_to_all(x, axis_name, x.ndim + heads, x.ndim + seq, tiled=True)
+
+
+def heads_to_seq(x: Any, axis_name: Any, *, heads: int = -3, seq: int = -2) -> Any:
+    """The inverse of :func:`seq_to_heads`."""
+    return jax.lax.all_to_all(x, axis_name, x.ndim + seq, x.ndim + heads, tiled=True)
+
+
+def shard_index(axis_name: Any) -> Any:
+    return jax.lax.axis_index(axis_name)
+
+
+def head_slice(x: Any, start: Any, size: int, axis: int) -> Any:
+    """``size`` entries from the (traced) ``start`` along ``axis``."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
+
+
+def fold_rng(rng: Any, index: Any) -> Any:
+    """A different dropout key on each shard (each holds other heads)."""
+    return jax.random.fold_in(rng, index)
+
+
+# -- layouts between shards (inside shard_map) --------------------------------------------
+
+
+def _destination(chunk: int, size: int) -> int:
+    """The zigzag shard of natural chunk ``chunk`` (of ``2P``)."""
+    return chunk if chunk < size else 2 * size - 1 - chunk
+
+
+def to_layout(x: Any, axis_name: Any, size: int, layout: str, *, axis: int = -2) -> Any:
+    """Inside ``shard_map``: from contiguous shards (shard ``r`` holds natural chunks
+    ``2r, 2r + 1`` of ``2P``) to ``layout``'s shards, with two ``ppermute``s of half a
+    shard each (no gather)."""
+    if layout == "contiguous" or size == 1:
+        return x
+    first, second = jnp.split(x, 2, axis=axis)
+    # Natural chunk 2s (first half of shard s) and 2s + 1 each go to their zigzag shard;
+    # both maps are permutations of the shards.
+    even = jax.lax.ppermute(first, axis_name, [(s, _destination(2 * s, size)) for s in range(size)])
+    odd = jax.lax.ppermute(
+        second, axis_name, [(s, _destination(2 * s + 1, size)) for s in range(size)]
+    )
+    # Shard r's zigzag chunks are r and 2P-1-r; one is even, one odd: r's parity orders them.
+    is_even = jax.lax.axis_index(axis_name) % 2 == 0
+    return jnp.concatenate(
+        [jnp.where(is_even, even, odd), jnp.where(is_even, odd, even)], axis=axis
+    )
+
+
+def from_layout(x: Any, axis_name: Any, size: int, layout: str, *, axis: int = -2) -> Any:
+    """The inverse of :func:`to_layout`."""
+    if layout == "contiguous" or size == 1:
+        return x
+    early, late = jnp.split(x, 2, axis=axis)  # shard r's chunks r and 2P-1-r
+    is_even = jax.lax.axis_index(axis_name) % 2 == 0
+    even, odd = jnp.where(is_even, early, late), jnp.where(is_even, late, early)
+
+    def home(r: int, parity: int) -> int:  # natural chunk c lives on contiguous shard c // 2
+        chunk = r if r % 2 == parity else 2 * size - 1 - r
+        return chunk // 2
+
+    first = jax.lax.ppermute(even, axis_name, [(r, home(r, 0)) for r in range(size)])
+    second = jax.lax.ppermute(odd, axis_name, [(r, home(r, 1)) for r in range(size)])
+    return jnp.concatenate([first, second], axis=axis)
+
+
+def _seq_spec(ndim: int, axis: int, name: Any) -> P:
+    spec: list[Any] = [None] * ndim
+    spec[axis % ndim] = name
+    return P(*spec)
+
+
+def _mesh_axis(x: Any, axis: int) -> tuple[Any, Any] | None:
+    """``(mesh, mesh axis name)`` where ``x`` (an array or a tracer) is sharded along
+    ``axis`` over exactly one mesh axis; None where it is not (or JAX does not say)."""
+    if isinstance(x, jax.core.Tracer):  # under jit: what the type says (Explicit meshes)
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    else:  # a concrete array: where its shards are
+        sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if mesh is None or spec is None or getattr(mesh, "empty", False) or axis >= len(spec):
+        return None
+    entry = spec[axis]
+    if isinstance(entry, tuple):
+        entry = entry[0] if len(entry) == 1 else None
+    if entry is None:
+        return None
+    return mesh, entry
+
+
+def permute_sharded(x: Any, size: int, layout: str, axis: int, *, inverse: bool) -> Any | None:
+    """:func:`portable_attention.parallel.reorder` (or ``restore``) of a JAX array sharded
+    along ``axis`` over a mesh axis of ``size`` shards, by ``ppermute`` between the shards
+    inside ``shard_map`` (the reshapes of the generic version raise on Explicit meshes
+    and gather on Auto ones); None where ``x`` is not sharded that way."""
+    found = _mesh_axis(x, axis)
+    if found is None:
+        return None
+    mesh, name = found
+    if mesh.shape[name] != size:
+        return None
+    spec = _seq_spec(x.ndim, axis, name)
+    move = from_layout if inverse else to_layout
+    body = functools.partial(move, axis_name=name, size=size, layout=layout, axis=axis - x.ndim)
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+
+# -- sharded_attend ----------------------------------------------------------------------
+
+
+def _place(x: Any, mesh: Any, spec: P) -> Any:
+    """``x`` sharded as ``spec`` over ``mesh``: on Explicit axes shard_map takes inputs
+    only as they are sharded, so ``jax.reshard`` moves them (under jit too); on Auto
+    axes shard_map moves them itself."""
+    explicit = [
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    ]
+    if not explicit:
+        return x
+    current = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(current, NamedSharding) and current.spec == spec and current.mesh == mesh:
+        return x
+    return jax.reshard(x, NamedSharding(mesh, spec))
+
+
+#: Options of sharded_attend that are arrays (passed to the compiled function; the
+#: rest are static and key its cache).
+ARRAY_OPTIONS = ("mask", "bias", "rng")
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable form of a static option (a window given as a list)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def sharded_attend(
+    q: Any, k: Any, v: Any, *, mesh: Any, axis: Any, method: str, layout: str, extra: dict[str, Any]
+) -> Any:
+    """``ring_attend``/``ulysses_attend`` under ``shard_map`` over ``mesh`` with the
+    sequence (axis -2) of q, k, v sharded over ``axis``, compiled once per configuration:
+    each shard's contiguous block is re-distributed into ``layout`` and back by
+    ``ppermute`` inside (no gather)."""
+    if axis not in mesh.axis_names:
+        msg = (
+            f"`axis={axis!r}` is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}."
+        )
+        raise ValueError(msg)
+    size = mesh.shape[axis]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _layout.check_length(
+            int(x.shape[-2]), size, layout, name=f"`{name}` of shape {tuple(x.shape)} (axis -2)"
+        )
+    arrays = {key: extra[key] for key in ARRAY_OPTIONS if extra.get(key) is not None}
+    static = tuple(sorted((key, _freeze(val)) for key, val in extra.items() if key not in arrays))
+    seq = _seq_spec(q.ndim, -2, axis)
+    placed = [_place(x, mesh, seq) for x in (q, k, v)]
+    placed += [_place(x, mesh, P()) for x in arrays.values()]  # replicated
+    try:
+        function = _sharded_function(mesh, axis, method, layout, static, tuple(arrays), q.ndim)
+    except TypeError:  # an unhashable static option: build it for this call alone
+        function = _sharded_function.__wrapped__(
+            mesh, axis, method, layout, static, tuple(arrays), q.ndim
+        )
+    return function(*placed)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_function(
+    mesh: Any,
+    axis: Any,
+    method: str,
+    layout: str,
+    static: tuple[tuple[str, Any], ...],
+    array_names: tuple[str, ...],
+    ndim: int,
+) -> Any:
+    from portable_attention.parallel import ring_attend, ulysses_attend
+
+    local = ring_attend if method == "ring" else ulysses_attend
+    size = mesh.shape[axis]
+    options = dict(static)
+
+    def body(q: Any, k: Any, v: Any, *given: Any) -> Any:
+        q, k, v = (to_layout(x, axis, size, layout) for x in (q, k, v))
+        arrays = dict(zip(array_names, given, strict=True))
+        result = local(q, k, v, axis_name=axis, layout=layout, **options, **arrays)
+        if not isinstance(result, tuple):
+            return from_layout(result, axis, size, layout)
+        return tuple(
+            from_layout(item, axis, size, layout, axis=-1 if item.ndim == ndim - 1 else -2)
+            for item in result
+        )
+
+    seq = _seq_spec(ndim, -2, axis)
+    outs: list[P] = [seq]
+    if options.get("return_weights"):
+        outs.append(seq)
+    if options.get("return_lse"):
+        outs.append(_seq_spec(ndim - 1, -1, axis))
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(seq, seq, seq, *(P() for _ in array_names)),
+        out_specs=outs[0] if len(outs) == 1 else tuple(outs),
+        check_vma=False,
+    )
+    return jax.jit(mapped)

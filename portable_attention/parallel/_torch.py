@@ -1,0 +1,320 @@
+"""torch.distributed: the ring with ``batch_isend_irecv`` and Ulysses with
+``all_to_all_single``, each a ``torch.autograd.Function``.
+
+Imported only when torch tensors reach :mod:`portable_attention.parallel`.
+
+Each rank runs its own blocks of the schedule (its rank in the group is its shard).
+Tensors that travel together are packed into one buffer per dtype, so a forward step
+sends one message (K and V together); the next shard's transfer is started before the
+current step's blocks are computed, and waited for after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from portable_attention import _spec
+from portable_attention._checks import type_name
+from portable_attention.parallel import _layout, _ring
+from portable_attention.parallel._schedule import Schedule, schedule
+
+XP: Any = None
+
+
+def _xp() -> Any:
+    global XP
+    if XP is None:
+        import array_api_compat
+
+        XP = array_api_compat.array_namespace(torch.zeros(1))
+    return XP
+
+
+def resolve_group(group: object, x: Any) -> Any:
+    """The ProcessGroup of ``group`` (None: the world group; a 1-D DeviceMesh: its
+    group), checked against torch.distributed's state and the tensors' device."""
+    if not dist.is_available() or not dist.is_initialized():
+        msg = (
+            "torch.distributed is not initialized: call "
+            "`torch.distributed.init_process_group(backend, ...)` on every rank first "
+            "(gloo for CPU tensors, nccl for CUDA), or call `attend` on one device."
+        )
+        raise RuntimeError(msg)
+    if group is None:
+        group = dist.group.WORLD
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            msg = (
+                f"`group` is a DeviceMesh of {group.ndim} dims {tuple(group.shape)}; pass a "
+                "1-D mesh (e.g. `mesh['seq']`) or its ProcessGroup."
+            )
+            raise ValueError(msg)
+        group = group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        msg = (
+            f"`group` for torch tensors must be a torch.distributed ProcessGroup or a 1-D "
+            f"DeviceMesh (None: the world group), got {type_name(group)}; a JAX mesh axis "
+            "goes with JAX arrays as `axis_name=`."
+        )
+        raise TypeError(msg)
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl" and x.device.type != "cuda":
+        msg = (
+            f"`group` uses the NCCL backend, which moves CUDA tensors, but the tensors are on "
+            f"{x.device}: move them to the rank's GPU (`.cuda(local_rank)`) or use a gloo "
+            "group for CPU tensors (`torch.distributed.new_group(backend='gloo')`)."
+        )
+        raise ValueError(msg)
+    return group
+
+
+def _device_mesh_type() -> Any:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device meshes
+        return None
+    return DeviceMesh
+
+
+def check_equal_shards(group: Any, **arrays: Any) -> None:
+    """Every rank holds shards of the same shapes (one small all-reduce): unequal shards
+    would deadlock or corrupt the ring's transfers."""
+    dims = [d for x in arrays.values() for d in (*x.shape, x.element_size())]
+    first = next(iter(arrays.values()))
+    mine = torch.tensor([*dims, *(-d for d in dims)], dtype=torch.int64, device=first.device)
+    seen = mine.clone()
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if torch.equal(seen, mine):
+        return
+    n = len(dims)
+    high, low = seen[:n].tolist(), [-d for d in seen[n:].tolist()]
+    shapes = ", ".join(f"{name} {tuple(x.shape)} {x.dtype}" for name, x in arrays.items())
+    msg = (
+        f"the ranks of the group hold shards of unequal shapes or dtypes (this rank: "
+        f"{shapes}; largest dims over the ranks {high}, smallest {low}): every rank must "
+        "hold an equal slice of the sequence; pad the sequence to a multiple of the layout's "
+        "chunk count and split it evenly (see `portable_attention.parallel.reorder`)."
+    )
+    raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One ring call's fixed parts."""
+
+    group: Any
+    rank: int
+    size: int
+    plan: Schedule
+    options: _ring.Options
+
+    def peer(self, shift: int) -> int:
+        """The global rank ``shift`` places after this one in the group."""
+        return int(dist.get_global_rank(self.group, (self.rank + shift) % self.size))
+
+
+class _Pending:
+    """Tensors in flight: started by :func:`send`, received by :meth:`wait`."""
+
+    def __init__(self, works: Sequence[Any], buffers: list[Any], layout: list[Any]) -> None:
+        self.works, self.buffers, self.layout = works, buffers, layout
+
+    def wait(self) -> list[Any]:
+        for work in self.works:
+            work.wait()
+        received: list[Any] = [None] * sum(len(idx) for idx, _ in self.layout)
+        for buffer, (indices, shapes) in zip(self.buffers, self.layout, strict=True):
+            parts = torch.split(buffer, [int(torch.Size(s).numel()) for s in shapes])
+            for i, part, shape in zip(indices, parts, shapes, strict=True):
+                received[i] = part.view(shape)
+        return received
+
+
+#: Message tags of the gradient accumulators (K/V use 0, 1, ...): both may be in flight.
+ACC_TAG = 16
+
+
+def send(ring: Ring, tensors: Sequence[Any], shift: int, *, tag: int = 0) -> _Pending:
+    """Send ``tensors`` to the rank ``shift`` ahead and receive as many from the rank
+    ``shift`` behind (one ``batch_isend_irecv``; one message per dtype)."""
+    shift %= ring.size
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    if shift == 0:
+        return _Done(list(tensors))
+    ops, buffers, layout = [], [], []
+    to, source = ring.peer(shift), ring.peer(-shift)
+    for offset, indices in enumerate(by_dtype.values()):
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        incoming = torch.empty_like(flat)
+        ops.append(dist.P2POp(dist.isend, flat, to, ring.group, tag + offset))
+        ops.append(dist.P2POp(dist.irecv, incoming, source, ring.group, tag + offset))
+        buffers.append(incoming)
+        layout.append((indices, [tuple(tensors[i].shape) for i in indices]))
+    return _Pending(dist.batch_isend_irecv(ops), buffers, layout)
+
+
+class _Done(_Pending):
+    def __init__(self, tensors: list[Any]) -> None:
+        self.tensors = tensors
+
+    def wait(self) -> list[Any]:
+        return self.tensors
+
+
+def _forward(ring: Ring, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    xp = _xp()
+    compute = _spec.compute_dtype_for(xp, q.dtype)
+    qc = q.to(compute)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute, device=q.device)
+    lse = torch.full(q.shape[:-1], -torch.inf, dtype=compute, device=q.device)
+    held, kv = 0, [k, v]
+    steps = ring.plan.steps
+    pending = send(ring, kv, steps[0].shift) if steps and steps[0].shift else None
+    for i, step in enumerate(steps):
+        if pending is not None:
+            kv, held, pending = pending.wait(), step.shift, None
+        if i + 1 < len(steps):  # the next shard travels while this one is computed
+            pending = send(ring, kv, steps[i + 1].shift - held)
+        blocks = step.blocks[ring.rank]
+        if blocks:
+            kc, vc = kv[0].to(compute), kv[1].to(compute)
+            out, lse = _ring.forward_blocks(xp, blocks, ring.options, out, lse, qc, kc, vc)
+    return out, lse
+
+
+def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
+    xp = _xp()
+    q, k, v, out, lse = saved
+    compute = out.dtype
+    if dout is None:
+        dout = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute, device=q.device)
+    given_dlse = dlse.to(compute) if dlse is not None and ring.options.return_lse else None
+    local = (dout.to(compute), q.to(compute), out, lse, given_dlse)
+    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+    dk = torch.zeros(k.shape, dtype=compute, device=q.device)
+    dv = torch.zeros(v.shape, dtype=compute, device=q.device)
+    held, kv, acc = 0, [k, v], [dk, dv]
+    steps = ring.plan.steps
+    for i, step in enumerate(steps):
+        if step.shift != held:  # the first step, where it is not the own shard
+            kv = send(ring, kv, step.shift - held).wait()
+            acc = send(ring, acc, step.shift - held, tag=ACC_TAG).wait()
+            held = step.shift
+        after = steps[i + 1].shift if i + 1 < len(steps) else None
+        upcoming = send(ring, kv, after - held) if after is not None else None
+        blocks = step.blocks[ring.rank]
+        if blocks:
+            kc, vc = kv[0].to(compute), kv[1].to(compute)
+            grads = (dq, acc[0], acc[1])
+            dq, dk, dv = _ring.backward_blocks(xp, blocks, ring.options, grads, local, kc, vc)
+            acc = [dk, dv]
+        if upcoming is not None and after is not None:  # the accumulators follow their K/V
+            acc = send(ring, acc, after - held, tag=ACC_TAG).wait()
+            kv, held = upcoming.wait(), after
+    dk, dv = send(ring, acc, -held, tag=ACC_TAG).wait()  # home to their owner
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingFunction(torch.autograd.Function):
+    """The ring as one autograd node: saves ``q, k, v, out, lse`` of the local shard."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Any, k: Any, v: Any, ring: Ring) -> tuple[Any, Any]:
+        out, lse = _forward(ring, q, k, v)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
+        dq, dk, dv = _backward(ctx.ring, ctx.saved_tensors, dout, dlse)
+        return dq, dk, dv, None
+
+
+def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout: str) -> Any:
+    """The ring on torch tensors (checked by the caller): see
+    :func:`portable_attention.parallel.ring_attend`."""
+    resolved = resolve_group(group, q)
+    size, rank = dist.get_world_size(resolved), dist.get_rank(resolved)
+    check_equal_shards(resolved, q=q, k=k, v=v)
+    lq, lk = q.shape[-2] * size, k.shape[-2] * size
+    _layout.check_length(
+        lq, size, layout, name=f"the global query sequence ({size} shards of {q.shape[-2]})"
+    )
+    _layout.check_length(
+        lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
+    )
+    plan = schedule(size, layout, lq, lk, call.causal, call.window)
+    ring = Ring(group=resolved, rank=rank, size=size, plan=plan, options=_ring.Options.of(call))
+    out, lse = _RingFunction.apply(q, k, v, ring)
+    return (out, lse) if call.return_lse else out
+
+
+# -- Ulysses ----------------------------------------------------------------------------
+
+
+def _all_to_all(x: Any, group: Any, split: int, concat: int) -> Any:
+    """Split ``x`` into P parts along ``split``, send part p to rank p, and concatenate the
+    parts received along ``concat`` (in rank order)."""
+    size = dist.get_world_size(group)
+    split %= x.ndim
+    concat %= x.ndim
+    shape = list(x.shape)
+    parts = shape[split] // size
+    # [..., P, parts, ...] with the P axis moved first: all_to_all_single splits dim 0.
+    chunked = x.reshape(*shape[:split], size, parts, *shape[split + 1 :])
+    chunked = torch.movedim(chunked, split, 0).contiguous()
+    received = torch.empty_like(chunked)
+    dist.all_to_all_single(received, chunked, group=group)
+    # received[p] is rank p's part: put the P axis in front of the concat axis and merge.
+    moved = torch.movedim(received, 0, concat)
+    new = list(moved.shape)
+    return moved.reshape(*new[:concat], new[concat] * new[concat + 1], *new[concat + 2 :])
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all whose backward is the inverse all-to-all of the (contiguous) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, group: Any, split: int, concat: int) -> Any:
+        ctx.group, ctx.split, ctx.concat = group, split, concat
+        return _all_to_all(x, group, split, concat)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+        back = _AllToAll.apply(grad.contiguous(), ctx.group, ctx.concat, ctx.split)
+        return back, None, None, None
+
+
+def seq_to_heads(x: Any, group: Any, *, heads: int = -3, seq: int = -2) -> Any:
+    """``[..., H, L/P, D] -> [..., H/P, L, D]``."""
+    return _AllToAll.apply(x, group, heads, seq)
+
+
+def heads_to_seq(x: Any, group: Any, *, heads: int = -3, seq: int = -2) -> Any:
+    """The inverse of :func:`seq_to_heads`."""
+    return _AllToAll.apply(x, group, seq, heads)
+
+
+def group_size(group: Any) -> int:
+    return int(dist.get_world_size(group))
+
+
+def group_rank(group: Any) -> int:
+    return int(dist.get_rank(group))
+
+
+def head_slice(x: Any, start: int, size: int, axis: int) -> Any:
+    """``size`` entries from ``start`` along ``axis``."""
+    return x.narrow(axis % x.ndim, start, size)
