@@ -206,7 +206,9 @@ def test_softcap_on_huge_scores(backend: Backend, path: str, magnitude: float) -
 def test_nan_query_row_stays_in_its_row(backend: Backend, hp_dtype: str, path: str) -> None:
     """A NaN in one query row makes that row NaN (out and lse: never a -inf that claims
     the row had no key); every other row, including those of the heads that share its
-    K/V (grouped-query), is exactly as without the NaN."""
+    K/V (grouped-query), is exactly as without the NaN. On ``fused:torch`` the NaN row
+    itself is what torch SDPA gives, which the contract does not promise (see the test
+    below): there only the other rows are asserted."""
     rng = rng_for("extremes", "nan-row")
     qn = rng.standard_normal((2, 4, 5, 8))
     kn, vn = rng.standard_normal((2, 2, 7, 8)), rng.standard_normal((2, 2, 7, 8))
@@ -217,7 +219,8 @@ def test_nan_query_row_stays_in_its_row(backend: Backend, hp_dtype: str, path: s
     mask = backend.asarray(mask_np)
     out, lse = _with_lse(backend, path, q, k, v, mask=mask, causal=True)
     out_np = backend.to_numpy(out)
-    assert np.all(np.isnan(out_np[1, 2, 3])), out_np[1, 2, 3]
+    if not (backend.name == "torch" and path == "fused"):
+        assert np.all(np.isnan(out_np[1, 2, 3])), out_np[1, 2, 3]
     nan_row = np.zeros(out_np.shape[:-1], dtype=bool)
     nan_row[1, 2, 3] = True
     assert np.all(np.isfinite(out_np[~nan_row]))

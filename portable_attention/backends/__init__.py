@@ -24,7 +24,8 @@ def adapter(backend: str) -> Adapter:
     module = sys.modules.get(name)  # a dict lookup that torch.compile traces
     if module is None:
         module = importlib.import_module(name)
-    return module.ADAPTER  # type: ignore[no-any-return]
+    found: Adapter = module.ADAPTER
+    return found
 
 
 def preload() -> None:
