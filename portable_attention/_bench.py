@@ -14,6 +14,15 @@ the other down; untimed calls (``WARM_S``) follow each pause.
 
 ``--memory`` runs NumPy at ``B=1, H=8, L=16384, D=64`` float32 in a subprocess and
 reports its peak RSS (``VmHWM``: ``ru_maxrss`` would carry the parent's peak over exec).
+
+``--training`` adds the training rows (:func:`training_rows`): forward + backward at long
+context, each measurement in a fresh subprocess (its peak RSS is that call's), ours and the
+anchor's subprocesses alternating so that drift in the machine's speed hits both alike:
+torch ``attend(causal=True, softcap=30.0)`` (the blockwise ``autograd.Function``) against
+SDPA ``is_causal=True``; JAX ``jit(grad)`` of ``attend(causal=True)`` against ``jit(grad)``
+of ``jax.nn.dot_product_attention(is_causal=True)``, with compile times and the compiled
+programs' ``memory_analysis()`` temporaries; NumPy ``attend_backward`` (peak RSS), and the
+causal forward against the unmasked one (blocks that causal masks are skipped).
 """
 
 from __future__ import annotations
@@ -261,23 +270,290 @@ def _memory_case() -> dict[str, Any]:
     return {"path": done[0], "seconds": float(done[1]), "peak_rss_mib": int(done[2]) / 1024}
 
 
+# ------------------------------------------------------------------------------------------
+# Training rows: forward + backward at long context, each measurement in its own process
+
+#: ``[B, H, L, D]`` of the training rows, float32: (torch L, JAX L, JAX L for compile and
+#: memory only, NumPy L).
+TRAINING_SHAPES = {"torch": (8192,), "jax": (4096,), "jax-compile": (16384,), "numpy": (16384,)}
+TRAINING_HEADS, TRAINING_DIM = 8, 64
+#: Subprocess pairs (ours, anchor) per timed row; each process times its call after one
+#: untimed call.
+TRAINING_PAIRS = 3
+
+
+def _vm_hwm_mib() -> float:
+    """This process's peak RSS (``VmHWM``) in MiB."""
+    with open("/proc/self/status") as fh:
+        return int(fh.read().split("VmHWM:")[1].split()[0]) / 1024
+
+
+def _training_inputs(length: int) -> tuple[Any, Any, Any]:
+    return _inputs(*((1, TRAINING_HEADS, length, TRAINING_DIM),) * 2)
+
+
+def worker(kind: str, length: int) -> None:
+    """One measurement, run in a fresh process: prints one JSON line (seconds of the
+    timed call after an untimed one, peak RSS, and for JAX compile seconds and the
+    compiled program's temporaries). ``kind``: ``torch-ours``, ``torch-sdpa``,
+    ``jax-ours``, ``jax-nn``, ``jax-ours-compile``, ``jax-nn-compile``,
+    ``numpy-backward``, ``numpy-causal``, ``numpy-unmasked``."""
+    result: dict[str, Any] = {"kind": kind, "length": length}
+    framework = kind.split("-")[0]
+    run = {"torch": _worker_torch, "jax": _worker_jax, "numpy": _worker_numpy}[framework]
+    run(kind, length, result)
+    result["peak_rss_mib"] = _vm_hwm_mib()
+    print(json.dumps(result))
+
+
+def _timed(fn: Callable[[], Any], result: dict[str, Any]) -> None:
+    fn()  # untimed: first-call costs (allocator, threads, caches)
+    start = time.perf_counter()
+    fn()
+    result["seconds"] = time.perf_counter() - start
+
+
+def _worker_torch(kind: str, length: int, result: dict[str, Any]) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (torch.from_numpy(x).requires_grad_() for x in _training_inputs(length))
+    if kind == "torch-ours":
+        result["path"] = plan(q, k, v, causal=True, softcap=30.0).path
+
+        def forward() -> Any:
+            return attend(q, k, v, causal=True, softcap=30.0)
+    else:
+        result["path"] = "SDPA is_causal=True"
+
+        def forward() -> Any:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def step() -> None:
+        out = forward()
+        out.backward(torch.ones_like(out))
+        for x in (q, k, v):
+            x.grad = None
+
+    _timed(step, result)
+
+
+def _worker_jax(kind: str, length: int, result: dict[str, Any]) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.asarray(x) for x in _training_inputs(length))
+    if kind.startswith("jax-ours"):
+        result["path"] = plan(q, k, v, causal=True).path + " (jit(grad))"
+
+        def loss(q: Any, k: Any, v: Any) -> Any:
+            return attend(q, k, v, causal=True).sum()
+    else:
+        result["path"] = "jax.nn is_causal=True (jit(grad))"
+
+        def loss(q: Any, k: Any, v: Any) -> Any:
+            btnh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+            return jax.nn.dot_product_attention(*btnh, is_causal=True).sum()
+
+    start = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    result["compile_s"] = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    result["temp_mib"] = None if memory is None else memory.temp_size_in_bytes / 2**20
+    if not kind.endswith("-compile"):
+        _timed(lambda: jax.block_until_ready(compiled(q, k, v)), result)
+
+
+def _worker_numpy(kind: str, length: int, result: dict[str, Any]) -> None:
+    from portable_attention import attend_backward
+
+    q, k, v = _training_inputs(length)
+    if kind == "numpy-backward":
+        out, lse = attend(q, k, v, causal=True, return_lse=True)
+        dout = np.ones_like(out)
+        result["path"] = "attend_backward (blockwise)"
+        _timed(lambda: attend_backward(dout, q, k, v, out, lse, causal=True), result)
+    else:
+        causal = kind == "numpy-causal"
+        result["path"] = plan(q, k, v, causal=causal).path
+        _timed(lambda: attend(q, k, v, causal=causal), result)
+
+
+def _measure(kind: str, length: int) -> dict[str, Any]:
+    code = f"from portable_attention import _bench; _bench.worker({kind!r}, {length})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        msg = f"bench worker {kind} L={length} failed:\n{done.stderr[-3000:]}"
+        raise RuntimeError(msg)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _pairs(ours: str, anchor: str, length: int, pairs: int) -> tuple[list[dict], list[dict]]:
+    """``pairs`` alternating subprocess measurements of ``ours`` and ``anchor``."""
+    mine: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    for i in range(pairs):
+        order = ((ours, mine), (anchor, theirs)) if i % 2 == 0 else ((anchor, theirs), (ours, mine))
+        for kind, into in order:
+            into.append(_measure(kind, length))
+    return mine, theirs
+
+
+def _training_row(
+    backend: str,
+    call: str,
+    length: int,
+    mine: list[dict[str, Any]],
+    theirs: list[dict[str, Any]],
+    anchor: str,
+) -> dict[str, Any]:
+    """A row from measurements of ours and the anchor: median seconds, the median of the
+    paired time ratios (anchor / ours), peak RSS (median) and its ratio (ours / anchor)."""
+
+    def median(rows: list[dict[str, Any]], key: str) -> float | None:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    row: dict[str, Any] = {
+        "backend": backend,
+        "call": call,
+        "shape": str((1, TRAINING_HEADS, length, TRAINING_DIM)),
+        "path": mine[0]["path"],
+        "anchor": anchor,
+        "ours_s": median(mine, "seconds"),
+        "anchor_s": median(theirs, "seconds"),
+        "ours_rss_mib": median(mine, "peak_rss_mib"),
+        "anchor_rss_mib": median(theirs, "peak_rss_mib"),
+        "ours_compile_s": median(mine, "compile_s"),
+        "anchor_compile_s": median(theirs, "compile_s"),
+        "ours_temp_mib": median(mine, "temp_mib"),
+        "anchor_temp_mib": median(theirs, "temp_mib"),
+    }
+    paired = [
+        t["seconds"] / m["seconds"]
+        for m, t in zip(mine, theirs, strict=True)
+        if m.get("seconds") and t.get("seconds")
+    ]
+    row["time_ratio"] = statistics.median(paired) if paired else None
+    if row["ours_rss_mib"] and row["anchor_rss_mib"]:
+        row["rss_ratio"] = row["ours_rss_mib"] / row["anchor_rss_mib"]
+    else:
+        row["rss_ratio"] = None
+    return row
+
+
+def training_rows(backends: list[str], pairs: int = TRAINING_PAIRS) -> list[dict[str, Any]]:
+    """The training rows of the installed ``backends`` (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    if "torch" in backends:
+        for length in TRAINING_SHAPES["torch"]:
+            mine, theirs = _pairs("torch-ours", "torch-sdpa", length, pairs)
+            rows.append(
+                _training_row(
+                    "torch", "fwd+bwd causal softcap=30", length, mine, theirs, "SDPA causal"
+                )
+            )
+    if "jax" in backends:
+        for length in TRAINING_SHAPES["jax"]:
+            mine, theirs = _pairs("jax-ours", "jax-nn", length, pairs)
+            rows.append(
+                _training_row("jax", "jit(grad) causal", length, mine, theirs, "jax.nn causal")
+            )
+        for length in TRAINING_SHAPES["jax-compile"]:
+            mine, theirs = _pairs("jax-ours-compile", "jax-nn-compile", length, 1)
+            rows.append(
+                _training_row(
+                    "jax", "jit(grad) causal, compile", length, mine, theirs, "jax.nn causal"
+                )
+            )
+    if "numpy" in backends:
+        for length in TRAINING_SHAPES["numpy"]:
+            mine = [_measure("numpy-backward", length)]
+            rows.append(_training_row("numpy", "attend_backward causal", length, mine, [{}], "-"))
+            mine, theirs = _pairs("numpy-causal", "numpy-unmasked", length, pairs)
+            rows.append(
+                _training_row("numpy", "forward causal", length, mine, theirs, "forward unmasked")
+            )
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_training(rows: list[dict[str, Any]]) -> None:
+    """The training rows as a table (times in seconds, memory in MiB)."""
+    print(
+        f"\n{'backend':<7} {'call':<27} {'L':>6} {'path':<33} {'ours s':>7} {'anchor':<17} "
+        f"{'anchor s':>8} {'speed':>6} {'RSS':>6} {'anch RSS':>8} {'RSS x':>6} "
+        f"{'compile':>8} {'anch cmp':>8} {'temp':>6} {'anch tmp':>8}"
+    )
+    for r in rows:
+        length = r["shape"].split(", ")[2]
+        print(
+            f"{r['backend']:<7} {r['call']:<27} {length:>6} {r['path']:<33} "
+            f"{_fmt(r['ours_s'], '7.2f')} {r['anchor']:<17} {_fmt(r['anchor_s'], '8.2f')} "
+            f"{_fmt(r['time_ratio'], '6.2f')} {_fmt(r['ours_rss_mib'], '6.0f')} "
+            f"{_fmt(r['anchor_rss_mib'], '8.0f')} {_fmt(r['rss_ratio'], '6.2f')} "
+            f"{_fmt(r['ours_compile_s'], '8.1f')} {_fmt(r['anchor_compile_s'], '8.1f')} "
+            f"{_fmt(r['ours_temp_mib'], '6.0f')} {_fmt(r['anchor_temp_mib'], '8.0f')}"
+        )
+    print(
+        "speed = anchor time / our time (>= 1: attend is at least as fast); RSS x = our peak "
+        "RSS / the anchor's (each its own process); compile s and temp MiB (JAX "
+        "memory_analysis temporaries) of jit(grad); B=1, H=8, D=64, float32"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its table (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(prog="python -m portable_attention bench")
     parser.add_argument("--backends", default=",".join(BENCHES), help="comma-separated")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds per timing")
     parser.add_argument("--memory", action="store_true", help="NumPy L=16384 peak RSS")
+    parser.add_argument(
+        "--training",
+        action="store_true",
+        help="also forward + backward at long context, peak RSS and compile (minutes)",
+    )
+    parser.add_argument("--training-only", action="store_true", help="only the training rows")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
+    installed = []
     for backend in args.backends.split(","):
         if backend not in BENCHES:
             parser.error(f"unknown backend {backend!r}; choose from {', '.join(BENCHES)}")
         if importlib.util.find_spec(backend) is None:
             print(f"{backend}: not installed, skipped", file=sys.stderr)
             continue
+        installed.append(backend)
+        if args.training_only:
+            continue
         print(f"{backend}: measuring ...", file=sys.stderr, flush=True)
         BENCHES[backend](rows, args.budget)
+    result: dict[str, Any] = {"rows": rows}
+    if rows:
+        _print_rows(rows)
+    if args.training or args.training_only:
+        print("training rows: measuring (a process per measurement) ...", file=sys.stderr)
+        result["training"] = training_rows(installed)
+        print_training(result["training"])
+    if args.memory:
+        mem = _memory_case()
+        result["memory"] = mem
+        print(
+            f"numpy B=1 H=8 L=16384 D=64 float32: path {mem['path']}, "
+            f"{mem['seconds']:.2f} s, peak RSS {mem['peak_rss_mib']:.0f} MiB"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'backend':<7} {'shape':<26} {'path':<20} {'ours ms':>9} {'anchor':<13} "
         f"{'anchor ms':>9} {'ratio':>6} {'GFLOP/s':>8} {'peak RSS MiB':>12}"
@@ -292,15 +568,3 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio = anchor time / our time (>= 1: attend is at least as fast)")
     if any(r["path"] == CONTROL for r in rows):
         print(f"{CONTROL!r} rows time SDPA against itself: their distance from 1 is the noise")
-    result: dict[str, Any] = {"rows": rows}
-    if args.memory:
-        mem = _memory_case()
-        result["memory"] = mem
-        print(
-            f"numpy B=1 H=8 L=16384 D=64 float32: path {mem['path']}, "
-            f"{mem['seconds']:.2f} s, peak RSS {mem['peak_rss_mib']:.0f} MiB"
-        )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return 0

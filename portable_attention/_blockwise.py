@@ -118,7 +118,7 @@ def forward(
         out, _, lse = _core._empty_keys(call, q, k, v)
         return out, lse
     xp, ct, dev = call.xp, call.compute_dtype, call.device
-    ops = operands(call, q, k, v, mask, bias)
+    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     size = block_size(call)
     nk = grid(call, size)[1]
@@ -132,7 +132,8 @@ def forward(
         acc = xp.zeros((*lead, call.v_shape[-1]), dtype=ct, device=dev)
         for ki in (ki for qj, ki in todo if qj == qi):
             cols = span(lk, size, ki)
-            s = _core._masked_scores(call, ops, rows, cols, whole=False, scores=scores)
+            qb = ops.q[..., rows[0] : rows[1], :]
+            s, _ = block_scores(call, ops, qb, ops.k[..., cols[0] : cols[1], :], rows, cols, scores)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
             m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
             e = xp.exp(s - m_safe)
@@ -150,6 +151,38 @@ def forward(
     out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
     lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
     return _core._finish(call, out, lse)
+
+
+def q_factor(call: Call) -> float:
+    """What q is multiplied by before its blocks' scores: the scale, over ``softcap``
+    where one is given (``tanh`` then takes the product as it is: one pass less)."""
+    return call.scale / call.softcap if call.softcap is not None else call.scale
+
+
+def block_scores(
+    call: Call,
+    ops: Any,
+    qb: Any,
+    kb: Any,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    scores: Scores | None,
+) -> tuple[Any, Any]:
+    """``(s, t)`` of one block: the scores after softcap, bias and masks (``-inf`` where
+    masked), and ``t = tanh(q k^T * scale / softcap)`` (None without softcap), from
+    operands whose q carries :func:`q_factor`."""
+    xp = call.xp
+    s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
+    t = None
+    if call.softcap is not None:
+        t = xp.tanh(s)
+        s = call.softcap * t
+    if ops.bias is not None:
+        s = s + block_of(ops.bias, rows, cols)
+    allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+    if allow is not None:
+        s = xp.where(allow, s, -xp.inf)
+    return s, t
 
 
 def grouped(call: Call, x: Any, *, last: int | None) -> Any:
@@ -211,7 +244,7 @@ def backward(
             xp.zeros_like(v),
             xp.zeros_like(bias) if dbias_wanted else None,
         )
-    ops = operands(call, q, k, v, mask, bias)
+    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     do = grouped(call, dout, last=call.v_shape[-1])
     delta = xp.sum(do * grouped(call, out, last=call.v_shape[-1]), axis=-1)
     if dlse is not None:  # d lse / d s = p: ds = p * (dp - (delta - dlse))
@@ -236,16 +269,7 @@ def backward(
             rows = span(lq, size, qi)
             qb = ops.q[..., rows[0] : rows[1], :]
             dob = do[..., rows[0] : rows[1], :]
-            s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
-            t = None
-            if call.softcap is not None:
-                t = xp.tanh(s / call.softcap)
-                s = call.softcap * t
-            if ops.bias is not None:
-                s = s + block_of(ops.bias, rows, cols)
-            allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
-            if allow is not None:
-                s = xp.where(allow, s, -xp.inf)
+            s, t = block_scores(call, ops, qb, kb, rows, cols, scores)
             p = xp.exp(s - lse_g[..., rows[0] : rows[1], None])
             dp = xp.matmul(dob, xp.matrix_transpose(vb))
             p_used = p
@@ -278,8 +302,12 @@ def backward(
         dq_blocks[qi] if qi in dq_blocks else _zeros(call, ops.q, span(lq, size, qi)[1] - qi * size)
         for qi in range(nq)
     ]
+    # ds was taken with respect to s; with q times q_factor, the scores' factor comes back
+    # as the scale (dq) and as softcap (dk: its q blocks carry scale / softcap).
     dq = _concat(xp, dq_list, axis=-2) * call.scale
     dk = _concat(xp, dk_blocks, axis=-2)
+    if call.softcap is not None:
+        dk = dk * call.softcap
     dv = _concat(xp, dv_blocks, axis=-2)
     dbias = None
     if dbias_wanted:

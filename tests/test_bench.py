@@ -91,3 +91,31 @@ def test_ratio_pairs_samples_taken_side_by_side(monkeypatch: pytest.MonkeyPatch)
     )
     assert timing.ratio == pytest.approx(0.5)
     assert timing.anchor / timing.ours == pytest.approx(1.6 / 3.4)  # what the pairs correct
+
+
+def test_training_rows_measure_each_call_in_its_own_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The training rows (tiny lengths here): times, peak RSS and, for JAX, compile
+    seconds and temporaries, with ratios against the anchor measured in the same run."""
+    backends = [b for b in ("numpy", "torch", "jax") if b in BACKEND_NAMES] or ["numpy"]
+    lengths = {"torch": (64,), "jax": (64,), "jax-compile": (128,), "numpy": (64,)}
+    monkeypatch.setattr(_bench, "TRAINING_SHAPES", lengths)
+    rows = _bench.training_rows(backends, pairs=1)
+    _bench.print_training(rows)
+    calls = {(r["backend"], r["call"]) for r in rows}
+    if "numpy" in backends:
+        assert {("numpy", "attend_backward causal"), ("numpy", "forward causal")} <= calls
+    for r in rows:
+        assert r["ours_rss_mib"] > 0
+        if r["call"].endswith("compile"):
+            assert r["ours_compile_s"] > 0 and r["ours_temp_mib"] >= 0
+            assert r["anchor_compile_s"] > 0
+        else:
+            assert r["ours_s"] > 0
+        if r["anchor"] != "-" and not r["call"].endswith("compile"):
+            assert r["time_ratio"] > 0 and r["rss_ratio"] > 0
+    if "torch" in backends:
+        torch_row = next(r for r in rows if r["backend"] == "torch")
+        assert torch_row["path"] == "portable" and torch_row["anchor"] == "SDPA causal"
+    assert "speed = anchor time / our time" in capsys.readouterr().out

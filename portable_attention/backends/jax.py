@@ -385,7 +385,7 @@ class _Grid:
 def _padded_operands(g: _Grid, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
     """``_core.operands`` padded to whole blocks: padded keys are masked below, padded
     query rows dropped at the end. A mask/bias axis of length 1 is left to broadcast."""
-    ops = _core.operands(g.call, q, k, v, mask, bias)
+    ops = _core.operands(g.call, q, k, v, mask, bias, q_factor=_blockwise.q_factor(g.call))
     lqp, lkp = g.nq * g.size, g.nk * g.size
 
     def scores_operand(x: Any, value: float | bool) -> Any:
@@ -427,8 +427,8 @@ def _block_scores(g: _Grid, ops: Any, qi: Any, ki: Any) -> tuple[Any, Any, Any, 
     vb = _slice(ops.v, c0, size, -2)
     s = _scores(qb, kb)
     t = None
-    if call.softcap is not None:
-        t = jnp.tanh(s / call.softcap)
+    if call.softcap is not None:  # q carries scale / softcap
+        t = jnp.tanh(s)
         s = call.softcap * t
     if ops.bias is not None:
         s = s + _operand_block(ops.bias, r0, c0, size)
@@ -591,8 +591,10 @@ def _scan_backward(
         return tuple(new), None
 
     carry, _ = jax.lax.scan(step, tuple(init), g.pairs(by_keys=True))
-    dq = carry[0][..., : g.lq, :] * call.scale
+    dq = carry[0][..., : g.lq, :] * call.scale  # as in _blockwise.backward
     dk, dv = carry[1][..., : g.lk, :], carry[2][..., : g.lk, :]
+    if call.softcap is not None:
+        dk = dk * call.softcap
     dbias = None
     if bias is not None:
         dbias = carry[3]
