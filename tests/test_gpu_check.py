@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
+from portable_attention.testing import tolerance
 
 from conftest import requires_backend
 
@@ -41,6 +43,26 @@ def test_jax_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     assert gpu_check.failures == []
     # Path and agreement, plain and causal window; rows 0, finite and zero gradients.
     assert len(gpu_check.passed) == 2 * 2 + 3
+
+
+def test_tolerances_come_from_the_packages_table(gpu_check: ModuleType) -> None:
+    """The package's one table; on a GPU float32 gets float16's row (TF32 matmuls)."""
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert gpu_check.gpu_tolerance(dtype, on_gpu=False) == tolerance(dtype)
+    assert gpu_check.gpu_tolerance("float32", on_gpu=True) == tolerance("float16")
+    assert gpu_check.gpu_tolerance("bfloat16", on_gpu=True) == tolerance("bfloat16")
+    assert not hasattr(gpu_check, "TOL")
+
+
+def test_agreement_is_elementwise_within_the_table(gpu_check: ModuleType) -> None:
+    ref = np.array([1.0, 100.0], dtype=np.float32)
+    rtol, atol = tolerance("float32")
+    gpu_check.agree("within", ref + 0.5 * (atol + rtol * ref), ref, "float32", False)
+    gpu_check.agree("beyond", ref + np.float32(2 * (atol + rtol)), ref, "float32", False)
+    gpu_check.agree("nan", np.array([np.nan, 100.0], np.float32), ref, "float32", False)
+    gpu_check.agree("shape", ref[:1], ref, "float32", False)
+    assert gpu_check.passed == ["within"]
+    assert gpu_check.failures == ["beyond", "nan", "shape"]
 
 
 def test_a_wrong_result_fails(gpu_check: ModuleType) -> None:

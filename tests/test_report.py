@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from portable_attention import __main__ as cli
 from portable_attention import _cases, _report, attend, plan
+from portable_attention.testing import reference_attention, tolerance
 
 import oracle
 from conftest import BACKEND_NAMES, requires_backend
@@ -45,7 +46,7 @@ def _numpy_target(label: str = "", call: Any = attend) -> _report.Target:
 
 
 def test_oracle_matches_independent_float64_oracle() -> None:
-    """The report's oracle (the package's portable path, float64) equals tests/oracle.py."""
+    """The report's oracle (testing.reference_attention, float64) equals tests/oracle.py."""
     battery = _cases.battery()
     assert [c.name for c in battery] == [
         "plain",
@@ -71,6 +72,23 @@ def test_oracle_matches_independent_float64_oracle() -> None:
         np.testing.assert_allclose(weights, ref_weights, rtol=1e-12, atol=1e-13)
 
 
+def test_oracle_is_the_independent_reference_not_attend() -> None:
+    """The report's oracle is ``testing.reference_attention`` on the rounded inputs, bit for
+    bit; not ``attend(..., implementation="portable")``, which a bug of the portable code
+    would share."""
+    assert not hasattr(_cases, "attend")
+    for case in _cases.battery():
+        arrays = {n: _cases.rounded(a, "bfloat16").astype(a.dtype) for n, a in case.arrays.items()}
+        options = {
+            n: v for n, v in case.options.items() if n not in ("chunk_size", "return_weights")
+        }
+        q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+        ref = reference_attention(q, k, v, **arrays, **options)
+        out, weights = _cases.oracle(case, "bfloat16")
+        np.testing.assert_array_equal(out, ref.out, err_msg=case.name)
+        np.testing.assert_array_equal(weights, ref.weights, err_msg=case.name)
+
+
 def test_battery_covers_the_contract_cases() -> None:
     by_name = {c.name: c for c in _cases.battery()}
     causal = by_name["causal"]
@@ -92,6 +110,37 @@ def test_rounded_is_exact_in_each_dtype() -> None:
     np.testing.assert_array_equal(b16, [1.0, 1.0, 1.0078125, 3.140625, -0.0027008056640625])
     # bfloat16 values: the low 16 bits of the float32 are zero
     assert np.all(b16.view(np.uint32) & 0xFFFF == 0)
+
+
+def test_tolerances_are_the_packages_table() -> None:
+    for dtype, (rtol, atol) in _report.TOLERANCES.items():
+        assert (rtol, atol) == tolerance(dtype, "out") == tolerance(dtype, "weights")
+    assert list(_report.TOLERANCES) == ["float32", "float16", "bfloat16"]
+
+
+@requires_backend("torch")
+def test_bfloat16_is_left_out_without_ml_dtypes() -> None:
+    """ml_dtypes rounds the inputs to bfloat16: without it the report runs the other dtypes
+    and says so (asked for by --dtypes, it is a usage error)."""
+    code = (
+        "import sys\n"
+        "sys.modules['ml_dtypes'] = None  # as if not installed: importing it fails\n"
+        "from portable_attention import _report\n"
+        "args = ['--backends', 'torch', '--cases', 'plain', '-q']\n"
+        "print('status', _report.main(args))\n"
+        "print('status', _report.main([*args, '--dtypes', 'bfloat16']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "bfloat16 is left out: it needs ml_dtypes" in done.stderr
+    assert "--dtypes bfloat16 needs ml_dtypes: pip install ml_dtypes" in done.stderr
+    assert "All 2 results agree" in done.stdout  # float32 and float16
+    assert [line for line in done.stdout.splitlines() if line.startswith("status")] == [
+        "status 0",
+        "status 2",
+    ]
 
 
 @requires_backend("torch")

@@ -14,6 +14,7 @@ deliberately wrong functions) and ``selected_backends``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -26,16 +27,21 @@ from portable_attention import attend
 from portable_attention._convert import source_framework
 from portable_attention.testing import (
     BACKEND_NAMES,
+    CASES,
     TOLERANCES,
     ArrayBackend,
     Tolerance,
     assert_backends_agree,
     available_backends,
+    check_attention,
+    reference_attention,
+    selected_backends,
     to_backend,
     to_numpy,
     tolerance,
 )
 
+import oracle
 from conftest import BY_NAME, ENV_VAR, Backend, requires_backend
 from helpers import rng_for
 
@@ -934,3 +940,466 @@ def test_plugin_uninstalled_backend_fails_not_skips(
     result = plugin_project.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{ENV_VAR}='numpy,cupy' requests backend 'cupy'*install*"])
+
+
+# -- to_numpy(x, dtype=...) and the converter's own errors ---------------------------------------
+
+
+@pytest.mark.parametrize("name", SELECTED)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_numpy_as_float64_is_exact(name: str, dtype: str) -> None:
+    if dtype not in HAS_DTYPE[name]:
+        pytest.skip(f"{name} has no {dtype}")
+    data = special_values(dtype)
+    out = to_numpy(make(name, data, dtype), dtype="float64")
+    assert out.dtype == np.float64 and out.shape == data.shape
+    assert same_bits(out, data)
+
+
+@requires_backend("torch")
+def test_bfloat16_as_float64_needs_no_ml_dtypes() -> None:
+    """The report and the suite read bfloat16 results without ml_dtypes: to_numpy with a
+    dtype widens them to float32 in torch first (exactly)."""
+    code = (
+        "import sys\n"
+        "sys.modules['ml_dtypes'] = None  # as if not installed: importing it fails\n"
+        "import torch\n"
+        "from portable_attention.testing import to_numpy\n"
+        "x = torch.tensor([1.0, -2.5, 3.140625, 1e30], dtype=torch.bfloat16)\n"
+        "a = to_numpy(x, dtype='float64')\n"
+        "print(a.dtype, a.tolist() == x.double().tolist())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["float64", "True"]
+
+
+@requires_backend("array_api_strict")
+def test_the_converters_own_errors_pass_through_by_type() -> None:
+    """A refusal of the converter itself (its message says what to do) is a
+    ConversionError, a TypeError, and reaches the caller unwrapped."""
+    from portable_attention._convert import ConversionError
+
+    with pytest.raises(ConversionError, match=r"^`x` has dtype float16, which array_api_strict"):
+        to_backend(np.ones(2, dtype=np.float16), "array_api_strict")
+    assert issubclass(ConversionError, TypeError)
+
+
+# -- selected_backends: the one reader of PORTABLE_ATTENTION_BACKENDS ---------------------------
+
+
+def test_selected_backends_reads_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert selected_backends() == available_backends()
+    assert selected_backends(known=("array_api_strict", "numpy")) == tuple(
+        n for n in ("array_api_strict", "numpy") if n in available_backends()
+    )
+    monkeypatch.setenv(ENV_VAR, "  ")  # blank: unset
+    assert selected_backends() == available_backends()
+    monkeypatch.setenv(ENV_VAR, f"{SELECTED[-1]}, numpy,{SELECTED[-1]}")
+    assert selected_backends() == tuple(dict.fromkeys((SELECTED[-1], "numpy")))
+    assert selected_backends("numpy") == ("numpy",)  # an explicit request wins
+
+
+@pytest.mark.parametrize(
+    ("request_", "match"),
+    [
+        ("numpy,tensorflow", r"^X='numpy,tensorflow' requests backend 'tensorflow', which is not"),
+        (" , ", r"^X=' , ' names no backend; known: numpy, torch"),
+        ("cupy", r"^X='cupy' requests backend 'cupy', which is not usable: "),
+    ],
+)
+def test_selected_backends_fails_a_request_it_cannot_honour(request_: str, match: str) -> None:
+    if request_ == "cupy" and "cupy" in available_backends():
+        pytest.skip("cupy is usable here")
+    with pytest.raises(ValueError, match=match):
+        selected_backends(request_, source="X")
+
+
+def test_the_suite_uses_the_packages_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conftest's backends are what selected_backends gives for the suite's names
+    (array_api_strict in its two variants)."""
+    import conftest
+
+    names = tuple(dict.fromkeys(n.removesuffix("_jit") for n in conftest.BACKEND_NAMES))
+    assert names == selected_backends(known=conftest.KNOWN)
+
+
+# -- reference_attention ------------------------------------------------------------------------
+
+
+REFERENCE_CASES: list[dict[str, Any]] = [
+    {},
+    {"causal": True},
+    {"causal": "upper_left"},
+    {"causal": "lower_right", "window": 2},
+    {"window": (1, None)},
+    {"causal": "upper_left", "window": (None, 0)},
+    {"window": (0, 2), "scale": 0.3},
+    {"softcap": 1.5, "scale": 2.0},
+]
+
+
+@pytest.mark.parametrize("options", REFERENCE_CASES, ids=repr)
+@pytest.mark.parametrize(("lq", "lk"), [(5, 5), (7, 4), (3, 9)], ids=str)
+def test_reference_matches_the_suites_oracle(options: dict[str, Any], lq: int, lk: int) -> None:
+    rng = rng_for("reference", repr(options), lq, lk)
+    q = rng.standard_normal((2, 4, lq, 6))
+    k, v = rng.standard_normal((2, 2, lk, 6)), rng.standard_normal((2, 2, lk, 3))
+    mask = rng.random((2, 1, lq, lk)) < 0.7
+    mask[1, 0, 0] = False  # a row with no key
+    bias = rng.standard_normal((4, 1, lk))
+    bias[2, 0, 1] = -np.inf
+    for extra in ({}, {"mask": mask}, {"bias": bias}, {"mask": mask, "bias": bias}):
+        ref = reference_attention(q, k, v, **extra, **options)
+        want = oracle.attention(q, k, v, **extra, **options)
+        for got, expected, name in zip(ref, want, ("out", "weights", "lse"), strict=True):
+            assert got.dtype == np.float64, name
+            np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14, err_msg=name)
+
+
+def test_reference_by_hand() -> None:
+    """Cases small enough to compute on paper: q = 0 gives uniform weights over the keys a
+    row may see, so out is their mean of V and lse is log(how many)."""
+    v = np.arange(8.0).reshape(1, 4, 2)  # keys 0..3, values [0, 1], [2, 3], ...
+    q, k = np.zeros((1, 3, 2)), np.ones((1, 4, 2))
+    lower = reference_attention(q, k, v, causal=True)  # query i sees keys j <= i + 1
+    np.testing.assert_allclose(lower.out[0], [[1.0, 2.0], [2.0, 3.0], [3.0, 4.0]])
+    np.testing.assert_allclose(lower.lse[0], np.log([2.0, 3.0, 4.0]))
+    upper = reference_attention(q, k, v, causal="upper_left")  # j <= i
+    np.testing.assert_allclose(upper.out[0], [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]])
+    np.testing.assert_allclose(upper.weights[0, 0], [1.0, 0.0, 0.0, 0.0])
+    band = reference_attention(q, k, v, window=(0, 1))  # lower-right, itself and one after
+    np.testing.assert_allclose(band.out[0], [[3.0, 4.0], [5.0, 6.0], [6.0, 7.0]])
+
+    # Lq > Lk, lower-right: query 0 of 3 on 2 keys sees none: 0, 0 and -inf, exactly.
+    short = reference_attention(q, k[:, :2], v[:, :2], causal=True)
+    assert short.out[0, 0].tolist() == [0.0, 0.0] and short.weights[0, 0].tolist() == [0, 0]
+    assert short.lse[0, 0] == -np.inf and np.isfinite(short.lse[0, 1:]).all()
+
+    # One decode query (Lq = 1) sees every key lower-right, only key 0 upper-left.
+    one = np.zeros((1, 1, 2))
+    assert reference_attention(one, k, v, causal=True).out.tolist() == [[[3.0, 4.0]]]
+    assert reference_attention(one, k, v, causal="upper_left").out.tolist() == [[[0.0, 1.0]]]
+
+    # Two keys, scores 0 and s, softcapped: lse = log(1 + exp(c * tanh(s / c))).
+    qs, ks = np.array([[[1.0, 0.0]]]), np.array([[[0.0, 0.0], [3.0, 0.0]]])
+    capped = reference_attention(qs, ks, ks, scale=1.0, softcap=2.0)
+    np.testing.assert_allclose(capped.lse, [[np.log1p(np.exp(2.0 * np.tanh(1.5)))]], rtol=1e-15)
+
+    # A bias of -inf masks; a row of them has no key.
+    bias = np.zeros((1, 3, 4))
+    bias[0, 1] = -np.inf
+    bias[0, 2, :3] = -np.inf
+    biased = reference_attention(q, k, v, bias=bias)
+    assert biased.out[0, 1].tolist() == [0.0, 0.0] and biased.lse[0, 1] == -np.inf
+    assert biased.out[0, 2].tolist() == [6.0, 7.0] and biased.lse[0, 2] == 0.0
+
+    # Grouped-query heads: query head h reads key/value head h // 2 (not h % 2).
+    vh = np.stack([np.full((4, 2), 10.0), np.full((4, 2), 20.0)])[None]  # [1, 2, 4, 2]
+    heads = reference_attention(np.zeros((1, 4, 3, 2)), np.ones((1, 2, 4, 2)), vh)
+    assert heads.out[0, :, 0, 0].tolist() == [10.0, 10.0, 20.0, 20.0]
+
+
+@pytest.mark.parametrize("name", SELECTED)
+def test_reference_takes_any_frameworks_arrays(name: str) -> None:
+    rng = rng_for("reference-frameworks")
+    q, k, v = (rng.standard_normal((2, 3, 4)).astype(np.float32) for _ in range(3))
+    mask = np.tril(np.ones((3, 3), dtype=bool))
+    want = reference_attention(q, k, v, mask=mask)
+    got = reference_attention(
+        *(make(name, a, "float32") for a in (q, k, v)), mask=make_bool(name, mask)
+    )
+    for a, b in zip(got, want, strict=True):
+        assert isinstance(a, np.ndarray) and a.dtype == np.float64
+        np.testing.assert_array_equal(a, b)
+    if name == "torch":  # bfloat16 inputs: their exact values, in float64
+        import torch
+
+        t = [torch.from_numpy(a).to(torch.bfloat16) for a in (q, k, v)]
+        exact = reference_attention(*(x.double().numpy() for x in t))
+        np.testing.assert_array_equal(reference_attention(*t).out, exact.out)
+
+
+def make_bool(name: str, mask: np.ndarray) -> Any:
+    return mask if name == "numpy" else to_backend(mask, name)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"causal": "lower-right"}, ValueError, r"`causal` must be False, True, 'lower_right'"),
+        ({"causal": 1}, ValueError, r"`causal` must be"),
+        ({"window": (1, -1)}, ValueError, r"`window` sides must be ints >= 0 or None"),
+        ({"window": "3"}, ValueError, r"`window` must be an int, \(left, right\) or None"),
+        ({"mask": np.ones((3, 3))}, ValueError, r"`mask` must be boolean .*float64"),
+        ({"bias": np.ones((5, 3))}, ValueError, r"`bias` of shape \(5, 3\) does not broadcast"),
+    ],
+)
+def test_reference_rejects_bad_options(kwargs: dict[str, Any], error: type, match: str) -> None:
+    q = np.zeros((2, 3, 4))
+    with pytest.raises(error, match=match):
+        reference_attention(q, q, q, **kwargs)
+
+
+def test_reference_rejects_shapes_that_do_not_fit() -> None:
+    q = np.zeros((1, 3, 5, 4))
+    with pytest.raises(ValueError, match=r"Hq % Hk == 0\), got q \(1, 3, 5, 4\), k \(1, 2"):
+        reference_attention(q, np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 4)))
+    with pytest.raises(ValueError, match=r"one Dk"):
+        reference_attention(q, np.zeros((1, 3, 5, 2)), np.zeros((1, 3, 5, 4)))
+    with pytest.raises(ValueError, match=r"one rank >= 2"):
+        reference_attention(np.zeros(4), np.zeros(4), np.zeros(4))
+
+
+def test_reference_shares_no_code_with_the_kernels() -> None:
+    """Its only import from the package is the array conversion: no _core, no masks, no
+    backend (so a bug of theirs cannot agree with itself in the report)."""
+    import ast
+    from pathlib import Path
+
+    import portable_attention.testing._reference as module
+
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+    imported = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    ours = {name for name in imported if name and name.startswith("portable_attention")}
+    assert ours == {"portable_attention._convert"}, ours
+
+
+# -- check_attention ------------------------------------------------------------------------
+
+
+def with_lse(**kwargs: Any) -> dict[str, Any]:
+    return {"options": {"return_lse": True, **kwargs}, "returns": ("out", "lse")}
+
+
+@pytest.mark.parametrize("name", SELECTED)
+def test_check_attention_passes_attend(name: str) -> None:
+    fn: Any = attend
+    if name == "jax":  # jitted: one compile per case instead of eager op by op
+        import jax
+
+        fn = jax.jit(attend, static_argnames=("causal", "return_lse"))
+    report = check_attention(fn, backend=name, **with_lse())
+    assert report.ok, str(report)
+    assert [c.name for c in report] == list(CASES)
+    for case in report:
+        if case.verdict == "skipped":  # array_api_strict has no float16
+            assert (name, case.name) == ("array_api_strict", "half_overflow"), str(report)
+            assert case.details == ("array_api_strict has no float16",)
+        else:
+            assert case.verdict == "ok" and case.details[0].startswith("max abs err out ")
+    text = str(report)
+    assert text.splitlines()[0].startswith(f"check_attention(attend): {name} float32, layout bhld")
+    assert text.splitlines()[-1].startswith("all ")
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_check_attention_in_half_precision_with_weights(dtype: str) -> None:
+    report = check_attention(
+        attend,
+        backend="torch",
+        dtype=dtype,
+        options={"return_lse": True, "return_weights": True},
+        returns=("out", "weights", "lse"),
+    )
+    assert report.ok, str(report)
+
+
+@requires_backend("torch")
+def test_check_attention_on_torch_sdpa_where_it_meets_the_contract() -> None:
+    """torch SDPA with its documented conventions: [B, H, L, D], a boolean attn_mask with
+    True = take part, is_causal upper-left (tril of ones(L, S)), GQA by enable_gqa. Its
+    rows with no key and float16 past 65504 are not documented: not asserted here."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    documented = ["plain", "mask", "causal", "causal_lq_gt_lk", "causal_lq_lt_lk", "gqa", "mqa"]
+    conventions: dict[str, Any] = {
+        "backend": "torch",
+        "mask": "attn_mask",
+        "causal": "is_causal",
+        "options": {"enable_gqa": True},
+    }
+    report = check_attention(
+        sdpa, causal_alignment="upper_left", cases=[*documented, "decode"], **conventions
+    )
+    assert report.ok, str(report)
+    # Taken for the contract's lower-right causal, its Lq != Lk cases depart, and say why.
+    wrong = check_attention(sdpa, cases=documented, **conventions)
+    assert [c.name for c in wrong.departures] == ["causal_lq_gt_lk", "causal_lq_lt_lk"]
+    for case in wrong.departures:
+        assert case.details[-1] == "it matches causal_alignment='upper_left'", str(wrong)
+    assert wrong["causal"].ok  # Lq == Lk: the alignments agree
+
+
+def upper_left_as_lower_right(
+    q: Any, k: Any, v: Any, *, mask: Any = None, causal: bool = False
+) -> Any:
+    return attend(q, k, v, mask=mask, causal="upper_left" if causal else False)
+
+
+def textbook(q: Any, k: Any, v: Any, *, mask: Any = None, fill: float = -1e9) -> Any:
+    """The textbook formula: masked scores filled with a large negative number."""
+    scores = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(1 / np.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = np.where(mask, scores, q.dtype.type(fill))
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+def test_check_attention_flags_upper_left_causal_passed_as_lower_right() -> None:
+    report = check_attention(upper_left_as_lower_right)
+    assert not report.ok
+    assert [c.name for c in report.departures] == ["causal_lq_gt_lk", "causal_lq_lt_lk", "decode"]
+    gt = report["causal_lq_gt_lk"]
+    assert gt.verdict == "departs"
+    assert (
+        gt.details[0]
+        == ("out is not 0 on 16 rows of the 16 with no key (max |out| 3.21); the contract: 0")
+        or "with no key" in gt.details[0]
+    )
+    assert gt.details[-1] == "it matches causal_alignment='upper_left'"
+    assert report["decode"].details[-1] == "Lq=1: it matches causal_alignment='upper_left'"
+    assert report["causal"].ok and report["empty_rows"].ok
+    text = str(report)
+    assert "  causal_lq_gt_lk  DEPARTS  " in text
+    assert text.splitlines()[-1] == "3 of 10 cases depart."
+    # Declared as what it is, it passes.
+    assert check_attention(upper_left_as_lower_right, causal_alignment="upper_left").ok
+
+
+def test_check_attention_flags_mean_v_and_nan_on_rows_with_no_key() -> None:
+    report = check_attention(textbook, causal=None, cases=["plain", "mask", "empty_rows", "gqa"])
+    assert report["plain"].ok and report["mask"].ok, str(report)
+    (empty,) = report["empty_rows"].details
+    assert empty.startswith("out is mean(V) on rows with no key (4 rows)")
+    assert empty.endswith("the contract: 0")
+    assert report["gqa"].verdict == "error"  # no GQA: the matmul cannot broadcast Hq over Hk
+    assert report["gqa"].details[0].startswith("ValueError: ")
+    skipped = check_attention(textbook, causal=None, cases=["causal", "decode"])
+    assert skipped["causal"].verdict == "skipped" and skipped.ok
+    assert skipped["causal"].details == ("the function takes no causal flag (causal=None)",)
+    nan = check_attention(
+        functools.partial(textbook, fill=-np.inf), causal=None, cases=["empty_rows"]
+    )
+    assert nan["empty_rows"].details == (
+        "out is NaN on rows with no key (4 rows); the contract: 0",
+    )
+    assert (
+        check_attention(textbook, mask=None, causal=None, cases=["mask"])["mask"].verdict
+        == "skipped"
+    )
+
+
+def test_check_attention_flags_lse_on_rows_with_no_key() -> None:
+    def plus_inf(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        out, lse = attend(q, k, v, return_lse=True, **kwargs)
+        return out, np.where(np.isneginf(lse), np.inf, lse)
+
+    def finite(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        out, lse = attend(q, k, v, return_lse=True, **kwargs)
+        return out, np.where(np.isneginf(lse), np.float32(-1e30), lse)
+
+    cases = ["empty_rows", "causal_lq_gt_lk"]
+    report = check_attention(plus_inf, returns=("out", "lse"), cases=cases)
+    rows = {"empty_rows": 4, "causal_lq_gt_lk": 16}
+    for case in report:
+        n = rows[case.name]
+        assert case.details == (f"lse is +inf on rows with no key ({n} rows); the contract: -inf",)
+    report = check_attention(finite, returns=("out", "lse"), cases=cases)
+    assert report["empty_rows"].details[0].startswith("lse is finite (up to -1e+30) on rows")
+
+
+def test_check_attention_flags_the_head_mapping_polarity_and_layout() -> None:
+    def tiled(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:  # KV head h % Hk, not h // g
+        reps = (1, q.shape[-3] // k.shape[-3], 1, 1)
+        return attend(q, np.tile(k, reps), np.tile(v, reps), **kwargs)
+
+    report = check_attention(tiled, cases=["gqa", "mqa"])
+    assert report["mqa"].ok  # one KV head: the mappings agree
+    assert report["gqa"].details[-1] == "it matches query head h reading key/value head h % Hk"
+
+    report = check_attention(attend, mask_polarity="drop", cases=["mask", "empty_rows"])
+    assert report["mask"].details[-1] == "it matches the inverted mask (mask_polarity='keep')"
+    assert report["empty_rows"].verdict == "departs"
+
+    report = check_attention(attend, layout="blhd", cases=["plain"])
+    assert report["plain"].details[-1] == "it matches layout='bhld'"
+
+
+def test_check_attention_flags_float16_overflow_decode_and_dtypes() -> None:
+    def half_scores(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:  # scores in the input dtype
+        s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(1 / np.sqrt(q.shape[-1]))
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        return ((w / w.sum(axis=-1, keepdims=True)) @ v).astype(q.dtype)
+
+    with np.errstate(all="ignore"):
+        report = check_attention(
+            half_scores, mask=None, causal=None, cases=["plain", "half_overflow"]
+        )
+    assert report["plain"].ok
+    assert report["half_overflow"].details == ("out has NaN on rows that have keys",)
+
+    def decode_bug(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:  # Lq = 1 drops the last key
+        if q.shape[-2] == 1:
+            return attend(q, k[..., :-1, :], v[..., :-1, :], **kwargs)
+        return attend(q, k, v, **kwargs)
+
+    report = check_attention(decode_bug, cases=["decode", "plain"])
+    assert report["plain"].ok and report["decode"].verdict == "departs"
+    assert report["decode"].details[0].startswith("Lq=1: out: ")
+
+    def upcast(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        return attend(q, k, v, **kwargs).astype(np.float64)
+
+    report = check_attention(upcast, cases=["plain"])
+    assert report["plain"].details == (
+        "out has dtype float64; the contract: float32 for float32 inputs",
+    )
+
+
+def test_check_attention_report_and_arguments() -> None:
+    def raises(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        msg = "no kernel for this shape"
+        raise RuntimeError(msg)
+
+    report = check_attention(raises, cases=["plain"])
+    assert report["plain"].verdict == "error" and not report.ok
+    assert report["plain"].details == ("RuntimeError: no kernel for this shape",)
+    with pytest.raises(AssertionError, match=r"(?s)check_attention\(.*raises\).*plain +ERROR"):
+        check_attention(raises, cases=["plain"], raise_on_departure=True)
+    check_attention(attend, cases=["plain"], raise_on_departure=True)  # no departure: no raise
+
+    report = check_attention(attend, returns=("out", "lse"), cases=["plain"])  # returns out only
+    assert report["plain"].details == (
+        "returned ndarray, not the 2 items of returns=('out', 'lse')",
+    )
+    with pytest.raises(KeyError, match=r"no case 'gpa' in this report; it has: plain"):
+        report["gpa"]
+    assert report.function == "attend" and "layout bhld" in report.conventions
+
+    bad: list[tuple[dict[str, Any], type, str]] = [
+        ({"layout": "bshd"}, ValueError, r"`layout` must be one of 'bhld', 'blhd'"),
+        ({"mask_polarity": True}, ValueError, r"`mask_polarity` must be one of 'keep', 'drop'"),
+        ({"causal_alignment": "top_left"}, ValueError, r"`causal_alignment` must be one of"),
+        ({"dtype": "int8"}, ValueError, r"`dtype` must be one of 'float32'"),
+        ({"mask": True}, TypeError, r"`mask` must be the keyword `fn` takes it by"),
+        ({"returns": ("lse",)}, ValueError, r"`returns` must name the output \('out'\)"),
+        ({"returns": ("out", "out")}, ValueError, r"`returns` may name each of"),
+        ({"returns": "lse"}, TypeError, r"`returns` must be 'out' or a sequence"),
+        ({"cases": ["plain", "nope"]}, ValueError, r"`cases` has unknown names \['nope'\]"),
+        ({"cases": "plain"}, TypeError, r"`cases` must be a sequence of case names"),
+        ({"backend": "tf"}, ValueError, r"`name` must be one of 'numpy'"),
+    ]
+    for kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            check_attention(attend, **kwargs)

@@ -115,8 +115,7 @@ class AttentionReport:
         width = max([len(c.name) for c in self.cases] + [4])
         lines = [f"check_attention({self.function}): {self.conventions}"]
         for case in self.cases:
-            shown = "DEPARTS" if case.verdict == "departs" else case.verdict.upper()
-            shown = shown if not case.ok else case.verdict
+            shown = case.verdict if case.ok else case.verdict.upper()
             details = list(case.details) or [""]
             lines.append(f"  {case.name:<{width}}  {shown:<7}  {details[0]}".rstrip())
             lines += [f"  {'':<{width}}  {'':<7}  {d}" for d in details[1:]]
@@ -160,6 +159,10 @@ class _Conventions:
 
 class _Skip(Exception):
     """The case needs what the function does not take."""
+
+
+class _Returned(Exception):
+    """The function returned something other than what ``returns`` declares."""
 
 
 @dataclass
@@ -221,10 +224,6 @@ def _call(fn: Callable[..., Any], conv: _Conventions, inputs: _Inputs) -> dict[s
     return {name: x for name, x in zip(conv.returns, result, strict=True) if name is not None}
 
 
-class _Returned(Exception):
-    """The function returned something other than what ``returns`` declares."""
-
-
 # -- judging one result --------------------------------------------------------------------------
 
 
@@ -237,8 +236,8 @@ def _max_abs(x: np.ndarray, r: np.ndarray) -> float:
 def _close(x: np.ndarray, r: np.ndarray, tol: Tolerance) -> np.ndarray:
     """Elementwise ``|x - r| <= atol + rtol * |r|`` (NaN never; an infinity only itself)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        same = x == r
-        return same | (np.abs(x - r) <= tol.atol + tol.rtol * np.abs(r))
+        near = np.isfinite(r) & (np.abs(x - r) <= tol.atol + tol.rtol * np.abs(r))
+        return (x == r) | near
 
 
 def _rows(n: int) -> str:
