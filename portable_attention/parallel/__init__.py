@@ -163,15 +163,15 @@ def ring_attend(
     return module.ring_attend(call, q, k, v, group, layout)
 
 
-def check_heads(hq: int, hk: int, size: int) -> None:
+def _check_heads(hq: int, hk: int, size: int) -> None:
     """Ulysses splits heads over the shards: ``Hq % P == 0``, and ``Hk % P == 0`` or
     ``P % Hk == 0`` (K/V heads are then repeated ``P / Hk`` times)."""
     if hq % size != 0 or not (hk % size == 0 or size % hk == 0):
         msg = (
-            f"ulysses_attend splits the heads over the {size} shards: it needs the query "
-            f"heads Hq={hq} to be a multiple of P={size}, and the key/value heads Hk={hk} a "
-            f"multiple of P or a divisor of it (K/V heads are then repeated); use "
-            "ring_attend, which has no such condition, or a sequence axis of another size."
+            f"ulysses_attend splits the heads over the shards: it needs Hq % P == 0, and "
+            f"Hk % P == 0 or P % Hk == 0 (K/V heads are then repeated), got Hq={hq}, Hk={hk}, "
+            f"P={size}; use ring_attend, which has no such condition, or a sequence axis of "
+            "another size."
         )
         raise ValueError(msg)
 
@@ -229,7 +229,7 @@ def ulysses_attend(
         size, index = module.group_size(link), module.group_rank(link)
         module.check_equal_shards(link, q=q, k=k, v=v)
     hq, hk = q.shape[-3], k.shape[-3]
-    check_heads(hq, hk, size)
+    _check_heads(hq, hk, size)
     if hk % size != 0:  # P % Hk == 0: each shard's query heads use one K/V head
         k, v = (_repeat_heads(xp, x, size // hk) for x in (k, v))
     qh, kh, vh = (module.seq_to_heads(x, link) for x in (q, k, v))

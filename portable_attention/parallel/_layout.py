@@ -107,13 +107,13 @@ def permute(xp: Any, x: Any, num_shards: int, layout: str, axis: int, *, inverse
         # natural order [2, P, c]: the first half's chunks 0..P-1, the second half's
         # P..2P-1; flipping the second half lines chunk 2P-1-r up with chunk r.
         halves = xp.reshape(x, (*lead, 2, num_shards, size, *rest))
-        early = halves[(slice(None),) * axis + (0,)]
-        late = xp.flip(halves[(slice(None),) * axis + (1,)], axis=axis)
+        early = halves[(slice(None),) * axis + (0, ...)]
+        late = xp.flip(halves[(slice(None),) * axis + (1, ...)], axis=axis)
         return xp.reshape(xp.stack([early, late], axis=axis + 1), shape)
     # shard order [P, 2, c]: shard r's chunk r, then its chunk 2P-1-r.
     pairs = xp.reshape(x, (*lead, num_shards, 2, size, *rest))
-    early = pairs[(slice(None),) * (axis + 1) + (0,)]
-    late = xp.flip(pairs[(slice(None),) * (axis + 1) + (1,)], axis=axis)
+    early = pairs[(slice(None),) * (axis + 1) + (0, ...)]
+    late = xp.flip(pairs[(slice(None),) * (axis + 1) + (1, ...)], axis=axis)
     return xp.reshape(xp.concat([early, late], axis=axis), shape)
 
 

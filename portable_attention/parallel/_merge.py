@@ -38,13 +38,13 @@ def splice(xp: Any, whole: Any, rows: tuple[int, int], part: Any, axis: int) -> 
     n = whole.shape[axis]
     if rows == (0, n):
         return part
-    index = (slice(None),) * (whole.ndim + axis)
+    after = (slice(None),) * (-axis - 1)
     pieces = []
     if rows[0] > 0:
-        pieces.append(whole[(*index, slice(0, rows[0]))])
+        pieces.append(whole[(..., slice(0, rows[0]), *after)])
     pieces.append(part)
     if rows[1] < n:
-        pieces.append(whole[(*index, slice(rows[1], n))])
+        pieces.append(whole[(..., slice(rows[1], n), *after)])
     return xp.concat(pieces, axis=axis)
 
 
