@@ -11,7 +11,7 @@ import pytest
 from portable_attention import attend, masks, plan
 
 import oracle
-from conftest import Backend, compute_dtype_name
+from conftest import BACKENDS, HALF, Backend, compute_dtype_name
 from helpers import assert_close, assert_like, check_against_oracle, randn, rng_for
 
 
@@ -294,10 +294,53 @@ CHUNKED_IDS = {
 }
 
 
-@pytest.mark.parametrize("path", ["auto", "portable", "fused"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_matches_oracle(backend: Backend, hp_dtype: str, case: Case, path: str) -> None:
-    check_case(backend, hp_dtype, case, path)
+def _paths_of(b: Backend, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """The paths of ``paths`` that run code of their own on ``b``: everywhere the portable
+    one; ``auto`` where it can pick a native or fused kernel (NumPy, torch, JAX, CuPy);
+    ``fused`` where the framework has a fused kernel. On array_api_strict ``auto`` is the
+    portable path and ``fused`` refuses (both checked below and in test_plan.py), so those
+    cases would run the portable ones again."""
+    keep = {"portable", "chunked"}
+    if b.name in ("numpy", "torch", "jax", "cupy"):
+        keep.add("auto")
+    if b.name in ("torch", "jax", "cupy"):
+        keep.add("fused")
+    return tuple(p for p in paths if p in keep)
+
+
+def _oracle_params(dtypes: tuple[str, ...], cases: list[Case], paths: tuple[str, ...]) -> list:
+    return [
+        pytest.param(b, d, case, path, id=f"{b.name}-{d}-{case.id}-{path}")
+        for b in BACKENDS
+        for d in dtypes
+        if d in b.dtypes
+        for case in cases
+        for path in _paths_of(b, paths)
+        if path != "chunked" or case.id in CHUNKED_IDS
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bk", "dtype_name", "case", "path"),
+    _oracle_params(("float32", "float64"), CASES, ("auto", "portable", "fused")),
+)
+def test_matches_oracle(bk: Backend, dtype_name: str, case: Case, path: str) -> None:
+    with bk.flags():
+        check_case(bk, dtype_name, case, path)
+
+
+def test_auto_is_the_portable_path_where_no_kernel_applies() -> None:
+    """Where ``test_matches_oracle`` runs only the portable path (array_api_strict), auto
+    plans it for every case, and ``fused`` refuses."""
+    for b in BACKENDS:
+        if _paths_of(b, ("auto",)):
+            continue
+        with b.flags():
+            for case in CASES:
+                (q, k, v), kwargs, _ = _inputs(b, "float32", case)
+                assert plan(q, k, v, **kwargs).path == "portable", (b, case.id)
+                with pytest.raises(ValueError, match=r"`implementation\b"):
+                    plan(q, k, v, implementation="fused", **kwargs)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in CHUNKED_IDS], ids=lambda c: c.id)
@@ -333,16 +376,11 @@ HALF_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("case", "path"),
-    [
-        pytest.param(case, path, id=f"{case.id}-{path}")
-        for case in HALF_CASES
-        for path in PATHS
-        if path != "chunked" or case.id in CHUNKED_IDS
-    ],
+    ("bk", "dtype_name", "case", "path"), _oracle_params(HALF, HALF_CASES, tuple(PATHS))
 )
-def test_matches_oracle_half(backend: Backend, half_dtype: str, case: Case, path: str) -> None:
-    check_case(backend, half_dtype, case, path)
+def test_matches_oracle_half(bk: Backend, dtype_name: str, case: Case, path: str) -> None:
+    with bk.flags():
+        check_case(bk, dtype_name, case, path)
 
 
 def test_case_subsets_selected() -> None:
