@@ -502,7 +502,6 @@ def _case_decode(fn: Callable[..., Any], conv: _Conventions) -> Verdict:
     return departures, notes
 
 
-#: The cases, in order: name -> (what it checks, what it needs).
 CASES: Mapping[str, str] = {
     "plain": "no mask, Lq = Lk = 8, Hq = Hk = 2: the layout and the default scale 1/sqrt(D)",
     "mask": "a boolean mask [B, 1, Lq, Lk]: its polarity (True = may attend)",
@@ -515,6 +514,7 @@ CASES: Mapping[str, str] = {
     "half_overflow": "float16 scores past 65504 (q.k = 262144): computed in float32, no inf/NaN",
     "decode": "Lq = 1 (a decode step) against the last row of the Lq = 8 call",
 }
+"""The cases of :func:`check_attention`, in order: name -> what it checks."""
 
 _RUNNERS: dict[str, Callable[..., Verdict]] = {
     "plain": _case_plain,

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from portable_attention._convert import BACKEND_NAMES, cupy_has_gpu, import_backend
 
-#: The environment variable :func:`selected_backends` reads.
 BACKENDS_ENV_VAR = "PORTABLE_ATTENTION_BACKENDS"
+"""The environment variable :func:`selected_backends` reads."""
 
 
 def selected_backends(

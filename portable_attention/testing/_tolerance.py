@@ -33,28 +33,6 @@ def _row(out: Tolerance, lse: Tolerance) -> Mapping[str, Tolerance]:
     return MappingProxyType({"out": out, "weights": out, "lse": lse})
 
 
-#: ``TOLERANCES[dtype][what]``: the :class:`Tolerance` for output ``what`` ("out",
-#: "weights" or "lse") of an attention computed on inputs of ``dtype`` ("float64",
-#: "float32", "float16", "bfloat16"), against the float64 reference or against another
-#: correct implementation given the same inputs. Read-only.
-#:
-#: Where the values come from (measured with :func:`reference_attention` against
-#: ``attend`` on NumPy, PyTorch and JAX, every path, L up to 2048, D up to 128):
-#:
-#: * float32 out/weights ``(1e-4, 1e-5)``: a correct kernel's error grows with the
-#:   scores' magnitude (an absolute rounding error in a score becomes that relative error
-#:   in its weight): 6e-7 at ``|s| <= 6``, 3.7e-6 at ``|s| = 20``, 8.9e-6 at ``|s| = 31``,
-#:   which is 0.74 of this bound. Scores beyond about 40 need a looser one (pass it).
-#:   1e-5 / 1e-6 failed at ``|s| = 20`` already.
-#: * float16 / bfloat16 out/weights ``(5e-3, 5e-3)`` / ``(3e-2, 4e-2)``: the result is
-#:   rounded to the 16-bit dtype once (half an ulp: 4.9e-4 / 3.9e-3 relative); kernels
-#:   that also round the weights to it before ``weights @ v`` (fused kernels do) add about
-#:   as much per ulp of ``|v|``. Measured at most 0.09 / 0.11 of the bound.
-#: * lse of float16 / bfloat16 inputs ``(1e-4, 1e-4)``: the contract computes it in
-#:   float32 (and returns it so), on inputs that are exact in float32; float32's rtol,
-#:   and an atol for an lse near 0. Measured at most 0.007 of the bound.
-#: * float64 ``(1e-10, 1e-12)``: summation order only; measured 6.7e-12 relative at
-#:   most (0.01 of the bound).
 TOLERANCES: Mapping[str, Mapping[str, Tolerance]] = MappingProxyType(
     {
         "float64": _row(Tolerance(1e-10, 1e-12), Tolerance(1e-10, 1e-12)),
@@ -63,6 +41,32 @@ TOLERANCES: Mapping[str, Mapping[str, Tolerance]] = MappingProxyType(
         "bfloat16": _row(Tolerance(3e-2, 4e-2), Tolerance(1e-4, 1e-4)),
     }
 )
+"""``TOLERANCES[dtype][what]``: the :class:`Tolerance` for output ``what`` (``"out"``,
+``"weights"`` or ``"lse"``) of an attention computed on inputs of ``dtype``
+(``"float64"``, ``"float32"``, ``"float16"``, ``"bfloat16"``), against the float64
+reference or against another correct implementation given the same inputs. Read-only.
+
+Where the values come from (measured with :func:`reference_attention` against ``attend``
+on NumPy, PyTorch and JAX, every path, L up to 2048, D up to 128):
+
+* float32 out/weights ``(1e-4, 1e-5)``: a correct kernel's error grows with the scores'
+  magnitude (an absolute rounding error in a score becomes that relative error in its
+  weight): 6e-7 at ``|s| <= 6``, 3.7e-6 at ``|s| = 20``, 8.9e-6 at ``|s| = 31``, which is
+  0.74 of this bound. Scores beyond about 40 need a looser one (pass it). The 1e-5 / 1e-6
+  that ``assert_backends_agree`` had before failed at ``|s| = 20`` already.
+* float16 / bfloat16 out/weights ``(5e-3, 5e-3)`` / ``(3e-2, 4e-2)``: the result is rounded
+  to the 16-bit dtype once (half an ulp: 4.9e-4 / 3.9e-3 relative), and kernels that round
+  the weights to it before ``weights @ v`` add about as much per unit of ``|v|``. Measured
+  at most 0.09 / 0.11 of the bound.
+* lse of float16 / bfloat16 inputs ``(1e-4, 1e-4)``: the contract computes it in float32
+  (and returns it so) from inputs exact in float32: float32's rtol, and an atol for an lse
+  near 0. Measured at most 0.007 of the bound.
+* float64 ``(1e-10, 1e-12)``: summation order only; 6.7e-12 relative at most (0.01 of the
+  bound).
+
+These are the values the test suite and the consistency report used before the table was
+one; ``assert_backends_agree``'s own, tighter float32 and looser float16 values went.
+"""
 
 # Not attention's dtypes, but assert_backends_agree compares whatever a function returns.
 _COMPLEX = {"complex128": "float64", "complex64": "float32"}
