@@ -1,4 +1,5 @@
-"""Every documented error of attend() (and plan()), on every backend.
+"""Every documented error of attend() (and plan()), on every backend (checks of Python
+option values, which run before any framework code, on the first selected backend).
 
 Each message must name the offending argument in backticks (docs/api-decisions.md).
 """
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from portable_attention import attend, plan
 
-from conftest import Backend, foreign_array
+from conftest import BACKENDS, Backend, foreign_array
 from helpers import randn, rng_for, run_python
 
 ENTRY_POINTS = {"attend": attend, "plan": plan}
@@ -23,6 +24,15 @@ ENTRY_POINTS = {"attend": attend, "plan": plan}
 def fn(request: pytest.FixtureRequest) -> Any:
     """attend() and plan() validate the same way."""
     return ENTRY_POINTS[request.param]
+
+
+@pytest.fixture
+def first_backend() -> Any:
+    """The first selected backend, for checks of Python option values: they run before any
+    framework code (the arrays are valid), so their messages cannot depend on the framework."""
+    b = BACKENDS[0]
+    with b.flags():
+        yield b
 
 
 def arg(name: str) -> str:
@@ -261,37 +271,37 @@ def test_half_bias_wrong_dtype(backend: Backend, half_dtype: str, fn: Any) -> No
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, math.nan])
-def test_dropout_out_of_range(backend: Backend, fn: Any, p: float) -> None:
-    q, k, v = qkv(backend)
+def test_dropout_out_of_range(first_backend: Backend, fn: Any, p: float) -> None:
+    q, k, v = qkv(first_backend)
     with pytest.raises(ValueError, match=arg("dropout")):
-        fn(q, k, v, dropout=p, rng=backend.make_rng(0))
+        fn(q, k, v, dropout=p, rng=first_backend.make_rng(0))
 
 
 @pytest.mark.parametrize("softcap", [0.0, -1.0, math.inf, math.nan])
-def test_softcap_invalid(backend: Backend, fn: Any, softcap: float) -> None:
-    q, k, v = qkv(backend)
+def test_softcap_invalid(first_backend: Backend, fn: Any, softcap: float) -> None:
+    q, k, v = qkv(first_backend)
     with pytest.raises(ValueError, match=arg("softcap")):
         fn(q, k, v, softcap=softcap)
 
 
 @pytest.mark.parametrize("causal", ["lower_left", "upper-left", "", "True"])
-def test_causal_unknown_string(backend: Backend, fn: Any, causal: str) -> None:
-    q, k, v = qkv(backend)
+def test_causal_unknown_string(first_backend: Backend, fn: Any, causal: str) -> None:
+    q, k, v = qkv(first_backend)
     with pytest.raises(ValueError, match=arg("causal")) as info:
         fn(q, k, v, causal=causal)
     assert repr(causal) in str(info.value) or causal in str(info.value)
 
 
 @pytest.mark.parametrize("causal", [1, 0.0, None, [True]])
-def test_causal_wrong_type(backend: Backend, fn: Any, causal: Any) -> None:
-    q, k, v = qkv(backend)
+def test_causal_wrong_type(first_backend: Backend, fn: Any, causal: Any) -> None:
+    q, k, v = qkv(first_backend)
     with pytest.raises(TypeError, match=arg("causal")):
         fn(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("implementation", ["fast", "Portable", "", "flash"])
-def test_implementation_unknown(backend: Backend, fn: Any, implementation: str) -> None:
-    q, k, v = qkv(backend)
+def test_implementation_unknown(first_backend: Backend, fn: Any, implementation: str) -> None:
+    q, k, v = qkv(first_backend)
     with pytest.raises(ValueError, match=arg("implementation")):
         fn(q, k, v, implementation=implementation)
 
@@ -301,8 +311,8 @@ def test_implementation_unknown(backend: Backend, fn: Any, implementation: str) 
     [-1, (-1, 2), (2, -1), (-3, None), (1, 2, 3), (1,), "2", (1.5, 2), 1.5],
     ids=str,
 )
-def test_window_invalid(backend: Backend, fn: Any, window: Any) -> None:
-    q, k, v = qkv(backend)
+def test_window_invalid(first_backend: Backend, fn: Any, window: Any) -> None:
+    q, k, v = qkv(first_backend)
     with pytest.raises(ValueError, match=arg("window")):
         fn(q, k, v, window=window)
 
