@@ -80,7 +80,7 @@ class ArrayBackend:
         except TypeError:  # data, not an array
             a = np.asarray(obj)
         if dtype is not None:
-            a = to_numpy(a).astype(_numpy_dtype(dtype))
+            a = to_numpy(a).astype(numpy_dtype(dtype))
         return to_backend(a, self.name, device=device)
 
     def to_numpy(self, x: Any) -> np.ndarray:
@@ -88,7 +88,8 @@ class ArrayBackend:
         return to_numpy(x)
 
 
-def _numpy_dtype(name: str) -> np.dtype:
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name (bfloat16: ``ml_dtypes.bfloat16``)."""
     if name == "bfloat16":
         import ml_dtypes
 

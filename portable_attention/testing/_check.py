@@ -26,6 +26,7 @@ from portable_attention._convert import (
     to_backend,
     to_numpy,
 )
+from portable_attention.testing._backend import numpy_dtype
 from portable_attention.testing._reference import Reference, reference_attention
 from portable_attention.testing._tolerance import Tolerance, tolerance
 
@@ -178,11 +179,7 @@ class _Inputs:
 
 def _round(a: np.ndarray, dtype: str) -> np.ndarray:
     """``a`` rounded to ``dtype``, held in that NumPy dtype (bfloat16 through ml_dtypes)."""
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.asarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16)
-    return np.asarray(a, dtype=np.dtype(dtype))
+    return np.asarray(a).astype(numpy_dtype(dtype))
 
 
 def _to_layout(a: np.ndarray, layout: str) -> np.ndarray:
