@@ -46,12 +46,9 @@ def _to_numpy(weights: Any, name: str = "weights") -> npt.NDArray[np.float64]:
     from portable_attention import _convert
 
     try:
-        if _convert.dtype_name(getattr(weights, "dtype", None)) == "bfloat16":
-            import array_api_compat  # to float32 in its own framework: NumPy has no bfloat16
-
-            xp = array_api_compat.array_namespace(weights)
-            weights = xp.astype(weights, xp.float32)
-        a = np.asarray(_convert.to_numpy(weights))
+        # bfloat16 (which NumPy has only through ml_dtypes): the converter's exact float64
+        half = _convert.dtype_name(getattr(weights, "dtype", None)) == "bfloat16"
+        a = np.asarray(_convert.to_numpy(weights, dtype="float64" if half else None))
     except (TypeError, ValueError) as exc:
         raise _weights_type_error(name, weights, exc) from exc
     if not (np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.bool_)):

@@ -53,7 +53,7 @@ from torch import nn
 from portable_attention import _checks
 from portable_attention._checks import type_name
 from portable_attention._convert import to_backend
-from portable_attention.mha import BIASES, WEIGHTS, init_params, multi_head_attention
+from portable_attention.mha import BIASES, WEIGHTS, host_array, init_params, multi_head_attention
 
 __all__ = ["MultiHeadAttention", "TorchCompatMultiHeadAttention"]
 
@@ -283,8 +283,7 @@ class MultiHeadAttention(nn.Module):
         float32), keyed as in :mod:`portable_attention.mha`."""
         out = {}
         for name, p in self.params().items():
-            t = p.detach().cpu()
-            out[name] = (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+            out[name] = np.array(host_array(p))  # a copy, bfloat16 as float32
         return out
 
     def load_portable(self, state: dict[str, Any]) -> None:
