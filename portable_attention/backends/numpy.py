@@ -115,8 +115,14 @@ def _set_num_threads(controller: Any, n: int) -> None:
     threadpoolctl (3.8) lets one "controlling" thread set OpenBLAS's process-wide count
     and silently ignores the others: with the thread of the first pinned call still alive,
     a later call on another thread would run unpinned, or restore nothing and leave the
-    BLAS on one thread for good. The control is released before and after: ours is
-    ordered by ``_pin_lock``, and the caller's own ``threadpool_limits`` keeps working.
+    BLAS on one thread for good. The control is released before and after (with
+    threadpoolctl's public ``clear_controlling_thread``): ours is ordered by
+    ``_pin_lock``, and the caller's own ``threadpool_limits`` keeps working.
+
+    ``threadpoolctl.threadpool_limits`` itself cannot be the pin: the last call out, which
+    restores the limit, is often not the thread that set it, and a restore from another
+    thread is silently ignored while the first lives (measured with threadpoolctl 3.8:
+    pinned to 1 by thread A, ``restore_original_limits()`` from thread B left 1, not 2).
     """
     release = getattr(type(controller), "clear_controlling_thread", None)
     if release is not None:
