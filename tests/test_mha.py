@@ -530,6 +530,7 @@ def test_weights_move_torch_jax_numpy_torch_by_dlpack() -> None:
 
 
 @requires_backend("torch")
+@pytest.mark.compile
 def test_torch_module_under_torch_compile() -> None:
     import torch
     from portable_attention.nn.torch import MultiHeadAttention
