@@ -1,0 +1,402 @@
+"""portable_attention.parallel on torch.distributed: gloo on 127.0.0.1 with 2 and 4
+processes, one spawn per world size running every case; each case a test here.
+
+Each rank checks its shard of the ring's (and Ulysses') output, lse and gradients
+against single-device ``attend`` on the whole sequence (1e-12 in float64, the dtype's
+tolerance otherwise), counts the ring's sends, and checks the errors. The ranks write
+what they saw to a file per rank; the tests read them. ``nox -s parallel`` runs this
+module (it sets ``PORTABLE_ATTENTION_PARALLEL=1``); elsewhere it is skipped with that
+reason, as the spawns take a while.
+
+Nothing at the top of this module may be slow or skip: the spawned ranks import it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+WORLD_SIZES = (2, 4)
+IN_SESSION = os.environ.get("PORTABLE_ATTENTION_PARALLEL") == "1"
+#: Seconds a rank waits in a collective before gloo gives up (a hang fails, not blocks).
+TIMEOUT = 60
+
+pytestmark = pytest.mark.skipif(
+    not IN_SESSION,
+    reason="spawns gloo process groups of 2 and 4 ranks: run by `nox -s parallel` "
+    "(or set PORTABLE_ATTENTION_PARALLEL=1)",
+)
+
+
+# -- what each rank runs ----------------------------------------------------------------------
+
+
+def _tensors(name: str, dtype: Any, *shapes: tuple[int, ...]) -> list[Any]:
+    """The same float64 data on every rank (seeded by the case), cast to ``dtype``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _shard(x: Any, world: int, rank: int, layout: str, axis: int = -2) -> Any:
+    from portable_attention import parallel
+
+    return parallel.reorder(x, world, layout, axis=axis).chunk(world, dim=axis)[rank]
+
+
+def _close(name: str, got: Any, want: Any, tol: tuple[float, float], scale: float = 1.0) -> None:
+    a = got.detach().double().numpy()
+    b = want.detach().double().numpy()
+    assert a.shape == b.shape, f"{name}: shape {a.shape} != {b.shape}"
+    assert not np.isnan(a).any(), f"{name}: NaN"
+    np.testing.assert_allclose(a, b, rtol=tol[0], atol=tol[1] * scale, err_msg=name)
+
+
+def _check_against_one_device(
+    ctx: dict[str, Any],
+    case: str,
+    method: str,
+    layout: str,
+    options: dict[str, Any],
+    *,
+    heads: tuple[int, int] = (4, 2),
+    lengths: tuple[int, int] = (64, 64),
+    dtype: str = "float64",
+    transposed_gradient: bool = False,
+) -> None:
+    """One call of ring_attend / ulysses_attend on this rank's shard against attend on
+    the whole sequence: out, lse and the gradients of q, k, v (cotangents on out and
+    lse)."""
+    import portable_attention as pa
+    import torch
+    from portable_attention import parallel
+
+    world, rank = ctx["world"], ctx["rank"]
+    dt = getattr(torch, dtype)
+    (hq, hk), (lq, lk) = heads, lengths
+    q, k, v, dout, dlse = _tensors(
+        case, dt, (2, hq, lq, 8), (2, hk, lk, 8), (2, hk, lk, 6), (2, hq, lq, 6), (2, hq, lq)
+    )
+    dlse = dlse.float() if dtype == "bfloat16" else dlse
+    for x in (q, k, v):
+        x.requires_grad_()
+    ref, ref_lse = pa.attend(q, k, v, return_lse=True, **options)
+    empty = torch.isneginf(ref_lse)
+    loss = (ref * dout).sum() + torch.where(empty, 0.0, ref_lse * dlse).sum()
+    ref_grads = torch.autograd.grad(loss, (q, k, v))
+
+    local = [_shard(x.detach(), world, rank, layout).requires_grad_() for x in (q, k, v)]
+    fn = parallel.ring_attend if method == "ring" else parallel.ulysses_attend
+    out, lse = fn(*local, layout=layout, return_lse=True, **options)
+    out_cot = _shard(dout, world, rank, layout)
+    lse_cot = _shard(dlse, world, rank, layout, axis=-1)
+    local_empty = torch.isneginf(lse)
+    if transposed_gradient:  # the incoming gradient is a non-contiguous view
+        loss = (out.mT * out_cot.mT.contiguous()).sum()
+    else:
+        loss = (out * out_cot).sum()
+    loss = loss + torch.where(local_empty, 0.0, lse * lse_cot).sum()
+    grads = torch.autograd.grad(loss, local)
+
+    tol = ctx["tolerances"][dtype]
+    lse_tol = tol if dtype == "float64" else (1e-4, 1e-4)
+    assert out.dtype == dt and lse.dtype == ref_lse.dtype
+    want_empty = _shard(empty, world, rank, layout, axis=-1)
+    assert torch.equal(local_empty, want_empty), "-inf rows of lse"
+    assert torch.all(out[local_empty] == 0), "rows with no key are not 0"
+    _close("out", out, _shard(ref, world, rank, layout), tol)
+    _close(
+        "lse",
+        lse[~local_empty],
+        _shard(ref_lse, world, rank, layout, axis=-1)[~local_empty],
+        lse_tol,
+    )
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert g.dtype == dt, name
+        assert torch.isfinite(g).all(), name
+        scale = 1.0 if dtype == "float64" else max(1.0, float(r.abs().max()))
+        _close(name, g, _shard(r, world, rank, layout), tol, scale)
+
+
+RING_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "plain": ({}, {}),
+    "causal": ({"causal": True}, {}),
+    "causal-window": ({"causal": True, "window": (5, 0)}, {}),
+    "window": ({"window": (3, 7)}, {}),
+    "softcap-scale": ({"causal": True, "softcap": 2.0, "scale": 0.3}, {}),
+    "mqa": ({"causal": True}, {"heads": (4, 1)}),
+    "empty-rows": ({"causal": True}, {"lengths": (64, 32)}),
+    "upper-left": ({"causal": "upper_left", "window": (9, None)}, {"lengths": (32, 64)}),
+}
+
+
+def _value_cases() -> dict[str, Callable[[dict[str, Any]], None]]:
+    cases: dict[str, Callable[[dict[str, Any]], None]] = {}
+    for layout in ("contiguous", "zigzag"):
+        for name, (options, shapes) in RING_OPTIONS.items():
+            case = f"ring-{layout}-{name}"
+            cases[case] = lambda ctx, c=case, lo=layout, o=options, s=shapes: (
+                _check_against_one_device(ctx, c, "ring", lo, o, **s)
+            )
+    for dtype in ("float32", "bfloat16"):
+        case = f"ring-zigzag-causal-{dtype}"
+        cases[case] = lambda ctx, c=case, d=dtype: _check_against_one_device(
+            ctx, c, "ring", "zigzag", {"causal": True}, dtype=d, lengths=(128, 128)
+        )
+    ulysses = {
+        "ulysses-contiguous-causal-window": (
+            "contiguous",
+            {"causal": True, "window": (11, 0)},
+            (4, 4),
+        ),
+        "ulysses-zigzag-softcap": ("zigzag", {"causal": True, "softcap": 4.0}, (4, 2)),
+        "ulysses-contiguous-mqa": ("contiguous", {"causal": True}, (4, 1)),
+    }
+    for case, (layout, options, heads) in ulysses.items():
+        cases[case] = lambda ctx, c=case, lo=layout, o=options, h=heads: _check_against_one_device(
+            ctx, c, "ulysses", lo, o, heads=h
+        )
+    # gloo's all_gather backward once gave wrong gradients for non-contiguous incoming
+    # gradients: every collective's backward is fed one.
+    cases["ulysses-noncontiguous-gradient"] = lambda ctx: _check_against_one_device(
+        ctx, "ulysses-nc", "ulysses", "contiguous", {"causal": True}, transposed_gradient=True
+    )
+    cases["ring-noncontiguous-gradient"] = lambda ctx: _check_against_one_device(
+        ctx, "ring-nc", "ring", "zigzag", {"causal": True}, transposed_gradient=True
+    )
+    return cases
+
+
+def _ulysses_mask_bias_weights(ctx: dict[str, Any]) -> None:
+    import portable_attention as pa
+    import torch
+    from portable_attention import parallel
+
+    world, rank = ctx["world"], ctx["rank"]
+    q, k, v, dout, bias = _tensors(
+        "ulysses-mb",
+        torch.float64,
+        (2, 8, 32, 8),
+        (2, 4, 32, 8),
+        (2, 4, 32, 6),
+        (2, 8, 32, 6),
+        (8, 32, 32),
+    )
+    mask = _tensors("ulysses-mb-mask", torch.float64, (1, 8, 32, 32))[0] > -0.5
+    mask[:, :, 3] = False  # rows with no key
+    for x in (q, k, v, bias):
+        x.requires_grad_()
+    ref, ref_w = pa.attend(q, k, v, mask=mask, bias=bias, return_weights=True)
+    ref_grads = torch.autograd.grad((ref * dout).sum() + ref_w.sum(), (q, k, v, bias))
+    local = [_shard(x.detach(), world, rank, "contiguous").requires_grad_() for x in (q, k, v)]
+    out, weights = parallel.ulysses_attend(*local, mask=mask, bias=bias, return_weights=True)
+    grads = torch.autograd.grad(
+        (out * _shard(dout, world, rank, "contiguous")).sum() + weights.sum(), (*local, bias)
+    )
+    tol = ctx["tolerances"]["float64"]
+    _close("out", out, _shard(ref, world, rank, "contiguous"), tol)
+    _close("weights", weights, _shard(ref_w, world, rank, "contiguous"), tol)
+    for name, g, r in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3], strict=True):
+        _close(name, g, _shard(r, world, rank, "contiguous"), tol)
+    # The bias is replicated: each rank's dbias holds its heads' rows; summed, the whole.
+    dbias = grads[3].clone()
+    torch.distributed.all_reduce(dbias)
+    _close("dbias", dbias, ref_grads[3], tol)
+
+
+def _count_sends(ctx: dict[str, Any]) -> None:
+    """The forward sends P - 1 K/V shards (K and V in one message each step); a window
+    narrower than a shard sends one."""
+    import torch
+    import torch.distributed as dist
+    from portable_attention import parallel
+
+    world, rank = ctx["world"], ctx["rank"]
+    q, k, v = _tensors("count", torch.float64, (1, 4, 64, 8), (1, 2, 64, 8), (1, 2, 64, 8))
+    local = [_shard(x, world, rank, "zigzag") for x in (q, k, v)]
+    real = dist.batch_isend_irecv
+    sent: list[int] = []
+
+    def counting(ops: list[Any]) -> Any:  # the real call, counted
+        sent.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        with torch.no_grad():
+            parallel.ring_attend(*local, causal=True)
+        full = list(sent)
+        sent.clear()
+        narrow = [_shard(x, world, rank, "contiguous") for x in (q, k, v)]
+        with torch.no_grad():
+            parallel.ring_attend(*narrow, layout="contiguous", causal=True, window=(3, 0))
+    finally:
+        dist.batch_isend_irecv = real
+    shard_numel = local[1].numel() + local[2].numel()
+    assert full == [shard_numel] * (world - 1), full
+    assert sent == [shard_numel], sent
+
+
+def _expect(error: type[Exception], pattern: str, fn: Callable[[], Any]) -> None:
+    import re
+
+    try:
+        fn()
+    except error as err:
+        assert re.search(pattern, str(err)), f"{error.__name__} without {pattern!r}: {err}"
+        return
+    msg = f"no {error.__name__} ({pattern!r})"
+    raise AssertionError(msg)
+
+
+def _errors(ctx: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    from portable_attention import parallel
+
+    world, rank = ctx["world"], ctx["rank"]
+    x = torch.zeros(1, 2, 8, 4)
+    # Unequal shards: every rank learns it from one all-reduce, none hangs.
+    mine = torch.zeros(1, 2, 8 + 2 * (rank == 0), 4)
+    _expect(
+        ValueError, r"unequal shapes.*equal slice", lambda: parallel.ring_attend(mine, mine, mine)
+    )
+    _expect(ValueError, r"unequal shapes", lambda: parallel.ulysses_attend(mine, mine, mine))
+    odd = torch.zeros(1, 2, 3, 4)  # 3 * P positions: not a multiple of 2P
+    _expect(
+        ValueError,
+        rf"multiple of {2 * world}.*layout='contiguous'",
+        lambda: parallel.ring_attend(odd, odd, odd),
+    )
+    _expect(
+        TypeError,
+        r"`group`.*ProcessGroup.*axis_name",
+        lambda: parallel.ring_attend(x, x, x, group="seq"),
+    )
+    _expect(
+        TypeError,
+        r"`axis_name` names a JAX mesh axis",
+        lambda: parallel.ring_attend(x, x, x, axis_name="s"),
+    )
+    heads = torch.zeros(1, world + 1, 8, 4)
+    _expect(
+        ValueError,
+        rf"Hq={world + 1}.*P={world}",
+        lambda: parallel.ulysses_attend(heads, heads, heads),
+    )
+    dist.barrier()
+
+
+def _device_mesh_and_subgroup(ctx: dict[str, Any]) -> None:
+    """A 1-D DeviceMesh as the group, and a subgroup whose ranks are not 0..n-1."""
+    import portable_attention as pa
+    import torch
+    import torch.distributed as dist
+    from portable_attention import parallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = ctx["world"], ctx["rank"]
+    q, k, v = _tensors("mesh", torch.float64, (1, 4, 32, 8), (1, 2, 32, 8), (1, 2, 32, 8))
+    ref = pa.attend(q, k, v, causal=True)
+    tol = ctx["tolerances"]["float64"]
+    mesh = init_device_mesh("cpu", (world,))
+    out = parallel.ring_attend(
+        *(_shard(x, world, rank, "zigzag") for x in (q, k, v)), group=mesh, causal=True
+    )
+    _close("out (mesh)", out, _shard(ref, world, rank, "zigzag"), tol)
+    members = list(range(1, world, 2))  # ranks 1, 3: group ranks 0, 1
+    sub = dist.new_group(ranks=members)
+    if rank in members:
+        index, size = members.index(rank), len(members)
+        local = [_shard(x, size, index, "zigzag") for x in (q, k, v)]
+        out = parallel.ring_attend(*local, group=sub, causal=True)
+        _close("out (subgroup)", out, _shard(ref, size, index, "zigzag"), tol)
+    two_d = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("a", "b"))
+    _expect(ValueError, r"DeviceMesh of 2 dims", lambda: parallel.ring_attend(q, k, v, group=two_d))
+    dist.barrier()
+
+
+def cases() -> dict[str, Callable[[dict[str, Any]], None]]:
+    """Every case a rank runs, by name (the same list on every rank, in order)."""
+    return {
+        **_value_cases(),
+        "ulysses-mask-bias-weights": _ulysses_mask_bias_weights,
+        "count-sends": _count_sends,
+        "errors": _errors,
+        "device-mesh-and-subgroup": _device_mesh_and_subgroup,
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, tolerances: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
+    )
+    ctx = {"rank": rank, "world": world, "tolerances": tolerances}
+    seen: dict[str, str] = {}
+    try:
+        for name, case in cases().items():
+            try:
+                case(ctx)
+                seen[name] = "ok"
+            except Exception as err:  # recorded for the test of that case
+                seen[name] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-2500:]}"
+            Path(out_dir, f"{rank}.json").write_text(json.dumps(seen))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[str]]:
+    """Spawn the ranks once per world size; what each saw, per case."""
+    import torch.multiprocessing as mp
+
+    from conftest import TOLERANCES
+
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"world{world}")
+    context = mp.start_processes(
+        _rank_main,
+        args=(world, _free_port(), str(out_dir), dict(TOLERANCES)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    while not context.join(timeout=600):
+        pass
+    seen = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
+    return {name: [s.get(name, "not run") for s in seen] for name in cases()}
+
+
+@pytest.mark.parametrize("case", list(cases()))
+def test_case_on_every_rank(ranks: dict[str, list[str]], case: str) -> None:
+    failures = [f"rank {r}: {what}" for r, what in enumerate(ranks[case]) if what != "ok"]
+    assert not failures, "\n".join(failures)
