@@ -28,6 +28,7 @@ are those of the whole call restricted to it, so sequence parallelism can call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -123,6 +124,7 @@ def forward(
     size = block_size(call)
     nk = grid(call, size)[1]
     todo = pairs(call, size)
+    bounded = bounded_scores(call)
     out_blocks, lse_blocks = [], []
     for qi in range(grid(call, size)[0]):
         rows = span(lq, size, qi)
@@ -134,6 +136,15 @@ def forward(
             cols = span(lk, size, ki)
             qb = ops.q[..., rows[0] : rows[1], :]
             s, _ = block_scores(call, ops, qb, ops.k[..., cols[0] : cols[1], :], rows, cols, scores)
+            vb = ops.v[..., cols[0] : cols[1], :]
+            if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
+                e = xp.exp(s)
+                total = total + xp.sum(e, axis=-1, keepdims=True)
+                if keep is not None:
+                    kept = keep(block_number(qi, ki, nk), tuple(e.shape))
+                    e = _dropped(xp, e, kept, call.dropout)
+                acc = acc + xp.matmul(e, vb)
+                continue
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
             m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
             e = xp.exp(s - m_safe)
@@ -141,16 +152,30 @@ def forward(
             total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
             if keep is not None:
                 e = _dropped(xp, e, keep(block_number(qi, ki, nk), tuple(e.shape)), call.dropout)
-            acc = rescale * acc + xp.matmul(e, ops.v[..., cols[0] : cols[1], :])
+            acc = rescale * acc + xp.matmul(e, vb)
             m = m_new
         has_key = total != 0  # NaN rows keep NaN, as in dense
         total_safe = xp.where(has_key, total, 1.0)
-        m_safe = xp.where(xp.isfinite(m), m, 0.0)
+        m_safe = 0.0 if bounded else xp.where(xp.isfinite(m), m, 0.0)
         out_blocks.append(acc / total_safe)
         lse_blocks.append(xp.where(has_key, xp.log(total_safe) + m_safe, -xp.inf)[..., 0])
     out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
     lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
     return _core._finish(call, out, lse)
+
+
+def bounded_scores(call: Call) -> bool:
+    """Whether the forward may take ``exp(s)`` without subtracting a running max: with
+    ``softcap`` and no bias every score is within ``[-softcap, softcap]``, so no ``exp``
+    overflows, no row sum of ``Lk`` of them does, and none underflows below the compute
+    dtype's smallest normal number (the same relative precision as with the max
+    subtracted: softmax does not depend on the shift). Two passes over each block fewer
+    (the max and the subtraction) and no rescaling."""
+    if call.softcap is None or call.bias_shape is not None:
+        return False
+    info = call.xp.finfo(call.compute_dtype)
+    high, low = math.log(float(info.max)), math.log(float(info.smallest_normal))
+    return call.softcap + math.log(max(call.k_shape[-2], 1)) < high - 1 and call.softcap < -low - 1
 
 
 def q_factor(call: Call) -> float:
@@ -256,6 +281,13 @@ def backward(
     nq, nk = grid(call, size)
     todo = pairs(call, size)
     bias_shape = tuple(ops.bias.shape) if dbias_wanted else ()
+    # One column more in a matmul instead of a pass over each block: [dout, delta] @
+    # [v, -1]^T = dp - delta (not with dropout, whose mask applies to dp alone), and
+    # without softcap [q, -lse] @ [k, 1]^T = s - lse (softcap's tanh comes in between).
+    fold_delta = keep is None
+    fold_lse = call.softcap is None
+    do_aug = xp.concat([do, delta[..., None]], axis=-1) if fold_delta else do
+    q_aug = xp.concat([ops.q, -lse_g[..., None]], axis=-1) if fold_lse else ops.q
     dq_blocks: dict[int, Any] = {}
     dk_blocks: list[Any] = []
     dv_blocks: list[Any] = []
@@ -264,22 +296,36 @@ def backward(
         cols = span(lk, size, ki)
         kb = ops.k[..., cols[0] : cols[1], :]
         vb = ops.v[..., cols[0] : cols[1], :]
+        column = (*kb.shape[:-1], 1)
+        if fold_lse:
+            kb_aug = xp.concat([kb, xp.ones(column, dtype=kb.dtype, device=call.device)], axis=-1)
+        if fold_delta:
+            vb_aug = xp.concat([vb, -xp.ones(column, dtype=vb.dtype, device=call.device)], axis=-1)
         dk_b = dv_b = None
         for qi in (qi for qi, kj in todo if kj == ki):
             rows = span(lq, size, qi)
             qb = ops.q[..., rows[0] : rows[1], :]
             dob = do[..., rows[0] : rows[1], :]
-            s, t = block_scores(call, ops, qb, kb, rows, cols, scores)
-            p = xp.exp(s - lse_g[..., rows[0] : rows[1], None])
-            dp = xp.matmul(dob, xp.matrix_transpose(vb))
+            if fold_lse:
+                qb_aug = q_aug[..., rows[0] : rows[1], :]
+                s_lse, t = block_scores(call, ops, qb_aug, kb_aug, rows, cols, scores)
+                p = xp.exp(s_lse)
+            else:
+                s, t = block_scores(call, ops, qb, kb, rows, cols, scores)
+                p = xp.exp(s - lse_g[..., rows[0] : rows[1], None])
             p_used = p
-            if keep is not None:
+            if fold_delta:
+                dp_delta = xp.matmul(do_aug[..., rows[0] : rows[1], :], xp.matrix_transpose(vb_aug))
+            else:
+                dp = xp.matmul(dob, xp.matrix_transpose(vb))
                 kept = keep(block_number(qi, ki, nk), tuple(p.shape))
                 p_used = _dropped(xp, p, kept, call.dropout)
-                dp = _dropped(xp, dp, kept, call.dropout)
+                dp_delta = (
+                    _dropped(xp, dp, kept, call.dropout) - delta[..., rows[0] : rows[1], None]
+                )
             dv_new = _sum_group(call, xp.matmul(xp.matrix_transpose(p_used), dob))
             dv_b = dv_new if dv_b is None else dv_b + dv_new
-            ds = p * (dp - delta[..., rows[0] : rows[1], None])
+            ds = p * dp_delta
             if dbias_wanted:
                 key = (qi if bias_shape[-2] != 1 else 0, ki if bias_shape[-1] != 1 else 0)
                 target = (
