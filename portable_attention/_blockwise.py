@@ -314,7 +314,7 @@ def backward(
                 s, t = block_scores(call, ops, qb, kb, rows, cols, scores)
                 p = xp.exp(s - lse_g[..., rows[0] : rows[1], None])
             p_used = p
-            if fold_delta:
+            if keep is None:  # fold_delta
                 dp_delta = xp.matmul(do_aug[..., rows[0] : rows[1], :], xp.matrix_transpose(vb_aug))
             else:
                 dp = xp.matmul(dob, xp.matrix_transpose(vb))

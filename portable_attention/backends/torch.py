@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from portable_attention import _blockwise, _core, _spec
-from portable_attention._blockwise import BlockKeep
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
 
@@ -43,30 +43,190 @@ def _keep_mask(rng: Any, p: float, device: Any) -> Any:
 _GOLDEN = 0x9E37_79B9_7F4A_7C15
 
 
-def _block_keep(rng: Any, p: float, device: Any) -> BlockKeep:
-    """The blockwise path's keep masks: one seed drawn from ``rng`` (torch's global RNG when
-    None) now, then block ``b``'s mask from a generator on ``device`` seeded with the seed
-    and ``b``, so the backward draws each block's mask again."""
+@dataclass(frozen=True)
+class SeededKeep:
+    """The blockwise path's keep masks (a ``_blockwise.BlockKeep``): block ``b``'s is drawn
+    by a generator on ``device`` seeded with a mix of ``seed`` and ``b``. The seed (an int)
+    is all the backward needs to draw the forward's masks again."""
+
+    seed: int
+    p: float
+    device: Any
+
+    def __call__(self, block: Any, shape: tuple[int, ...]) -> Any:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed((self.seed + int(block) * _GOLDEN) % 2**63)
+        return torch.rand(shape, generator=gen, device=self.device) >= self.p
+
+
+def _block_keep(rng: Any, p: float, device: Any) -> SeededKeep:
+    """One seed drawn from ``rng`` (torch's global RNG when None) now: see :class:`SeededKeep`."""
     _keep_mask(rng, p, device)  # the same checks
     where = rng.device if rng is not None else device
     seed = int(torch.randint(0, 2**62, (1,), generator=rng, device=where).item())
+    return SeededKeep(seed, p, torch.device(device))
 
-    def draw(block: Any, shape: tuple[int, ...]) -> Any:
-        gen = torch.Generator(device=device)
-        gen.manual_seed((seed + int(block) * _GOLDEN) % 2**63)
-        return torch.rand(shape, generator=gen, device=device) >= p
 
-    return draw
+# ------------------------------------------------------------------------------------------
+# The blockwise path: an autograd.Function over two custom operators.
+#
+# torch.compile would trace the blocks' Python loops into its graph, and compile time grew
+# with the number of blocks (36 block pairs: 47 s, forward and backward). As
+# torch.library custom operators (torch >= 2.4) the forward and the backward are one opaque
+# node each, whatever L is; their fake kernels give the shapes.
+
+#: The options of a call as the custom operators take them (schema types only):
+#: causal ("" for none), window sides (-1: unbounded; both -1 and no window: none),
+#: scale, softcap (0.0: none), dropout, seed (-1: no dropout), block length.
+_Options = tuple[str, int, int, bool, float, float, float, int, int]
+
+
+def _options(call: _spec.Call, keep: SeededKeep | None) -> _Options:
+    left, right = call.window if call.window is not None else (None, None)
+    return (
+        call.causal or "",
+        -1 if left is None else left,
+        -1 if right is None else right,
+        call.window is not None,
+        call.scale,
+        call.softcap or 0.0,
+        call.dropout,
+        -1 if keep is None else keep.seed,
+        _blockwise.block_size(call),
+    )
+
+
+def _call_of(
+    q: Any, k: Any, v: Any, mask: Any, bias: Any, options: _Options
+) -> tuple[_spec.Call, SeededKeep | None]:
+    """The call (and keep masks) that ``options`` describe, rebuilt inside an operator."""
+    causal, left, right, windowed, scale, softcap, dropout, seed, size = options
+    window = (None if left < 0 else left, None if right < 0 else right) if windowed else None
+    call = _spec.validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal or False,
+        window=window,
+        scale=scale,
+        softcap=softcap or None,
+        dropout=dropout,
+        chunk_size=size,
+        return_lse=True,
+    )
+    keep = None if seed < 0 else SeededKeep(seed, dropout, q.device)
+    return call, keep
+
+
+def _forward_impl(q: Any, k: Any, v: Any, mask: Any, bias: Any, *options: Any) -> tuple[Any, Any]:
+    call, keep = _call_of(q, k, v, mask, bias, options)
+    out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep)
+    return out.contiguous(), lse.contiguous()
+
+
+def _backward_impl(
+    dout: Any,
+    dlse: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    mask: Any,
+    bias: Any,
+    want_dbias: bool,
+    *options: Any,
+) -> tuple[Any, Any, Any, Any]:
+    call, keep = _call_of(q, k, v, mask, bias, options)
+    grads = _blockwise.backward(
+        call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias
+    )
+    dbias = grads.dbias if grads.dbias is not None else q.new_empty((0,))
+    return grads.dq, grads.dk, grads.dv, dbias
+
+
+_HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
+_forward_op: Any = None
+_backward_op: Any = None
+if _HAS_CUSTOM_OP:
+
+    @torch.library.custom_op("portable_attention::blockwise_forward", mutates_args=())
+    def _forward_op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        causal: str,
+        left: int,
+        right: int,
+        windowed: bool,
+        scale: float,
+        softcap: float,
+        dropout: float,
+        seed: int,
+        size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward_impl(
+            q, k, v, mask, bias, causal, left, right, windowed, scale, softcap, dropout, seed, size
+        )
+
+    @_forward_op.register_fake
+    def _(q: Any, k: Any, v: Any, mask: Any, bias: Any, *options: Any) -> tuple[Any, Any]:
+        lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        return (
+            q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty(q.shape[:-1], dtype=lse_dtype),
+        )
+
+    @torch.library.custom_op("portable_attention::blockwise_backward", mutates_args=())
+    def _backward_op(
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        want_dbias: bool,
+        causal: str,
+        left: int,
+        right: int,
+        windowed: bool,
+        scale: float,
+        softcap: float,
+        dropout: float,
+        seed: int,
+        size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward_impl(
+            dout, dlse, q, k, v, out, lse, mask, bias, want_dbias,
+            causal, left, right, windowed, scale, softcap, dropout, seed, size,
+        )  # fmt: skip
+
+    @_backward_op.register_fake
+    def _(
+        dout: Any, dlse: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any,
+        bias: Any, want_dbias: bool, *options: Any,
+    ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+        dbias = bias.new_empty(bias.shape) if want_dbias and bias is not None else q.new_empty((0,))
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 class BlockwiseFunction(torch.autograd.Function):
     """The blockwise path: forward ``_blockwise.forward`` (out, lse), backward
     ``_blockwise.backward`` from the saved q, k, v, out and lse (the probabilities are
-    recomputed block by block; dropout's masks drawn again from the same ``keep``).
+    recomputed block by block; dropout's masks drawn again from the same seed).
 
-    The backward is made of differentiable torch operations, so a double backward
-    (``create_graph=True``) records it and differentiates it again; that graph holds the
-    recomputed blocks (``O(Lq * Lk)`` memory, as the dense path).
+    Both run as custom operators (opaque to ``torch.compile``, whose compile time then does
+    not grow with L) where torch has them (>= 2.4). A double backward
+    (``create_graph=True``) runs the backward as differentiable torch operations instead,
+    which autograd records and differentiates again; that graph holds the recomputed
+    blocks (``O(Lq * Lk)`` memory, as the dense path).
     """
 
     @staticmethod
@@ -78,9 +238,12 @@ class BlockwiseFunction(torch.autograd.Function):
         mask: Any,
         bias: Any,
         call: _spec.Call,
-        keep: BlockKeep | None,
+        keep: SeededKeep | None,
     ) -> tuple[Any, Any]:
-        out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep)
+        if _HAS_CUSTOM_OP:
+            out, lse = _forward_op(q, k, v, mask, bias, *_options(call, keep))
+        else:
+            out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep)
         ctx.save_for_backward(q, k, v, out, lse, mask, bias)
         ctx.call = call
         ctx.keep = keep
@@ -89,19 +252,17 @@ class BlockwiseFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
         q, k, v, out, lse, mask, bias = ctx.saved_tensors
+        call, keep = ctx.call, ctx.keep
+        want_dbias = bias is not None and ctx.needs_input_grad[4]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if _HAS_CUSTOM_OP and not torch.is_grad_enabled():
+            dq, dk, dv, dbias = _backward_op(
+                dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_options(call, keep)
+            )
+            return dq, dk, dv, None, dbias if want_dbias else None, None, None
         grads = _blockwise.backward(
-            ctx.call,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            mask,
-            bias,
-            ctx.keep,
-            dlse=dlse,
-            want_dbias=bias is not None and ctx.needs_input_grad[4],
+            call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias
         )
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None
 
@@ -201,7 +362,7 @@ class TorchAdapter(Adapter):
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return _keep_mask(rng, p, device)
 
-    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> BlockKeep:
+    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> SeededKeep:
         return _block_keep(rng, p, device)
 
     def blockwise(
@@ -212,7 +373,7 @@ class TorchAdapter(Adapter):
         v: Any,
         mask: Any,
         bias: Any,
-        keep: BlockKeep | None,
+        keep: Any,
     ) -> tuple[Any, Any]:
         out, lse = BlockwiseFunction.apply(q, k, v, mask, bias, call, keep)
         return out, lse
