@@ -80,7 +80,9 @@ GRAD_CASES = [
 #   out_lse: sum(out * w_out) + sum(where(isfinite(lse), lse, 0) * w_lse), auto
 #   out:     sum(out * w_out), auto (a fused kernel where the plan takes one)
 #   out_portable: sum(out * w_out), implementation="portable"
-MODES = ("out_lse", "out", "out_portable")
+#   out_lse_blockwise: as out_lse, on the blockwise path (chunk_size=2: torch's
+#       autograd.Function, JAX's custom_vjp over lax.scan)
+MODES = ("out_lse", "out", "out_portable", "out_lse_blockwise")
 
 # Gradients are computed once per (framework, case, mode) and shared by the tests.
 _GRADS: dict[tuple[str, str, str], tuple[np.ndarray, ...]] = {}
@@ -95,19 +97,25 @@ def _cached(key: tuple[str, str, str], compute: Any) -> tuple[np.ndarray, ...]:
 def oracle_grads(case: GradCase, mode: str) -> tuple[np.ndarray, ...]:
     def compute() -> tuple[np.ndarray, ...]:
         d = case.make()
-        w_lse = d["w_lse"] if mode == "out_lse" else None
+        w_lse = d["w_lse"] if _uses_lse(mode) else None
         return oracle.loss_grads(
             d["q"], d["k"], d["v"], d["w_out"], w_lse, mask=d["mask"], bias=d["bias"], **case.kwargs
         )
 
-    return _cached(("oracle", case.id, "out_lse" if mode == "out_lse" else "out"), compute)
+    return _cached(("oracle", case.id, "out_lse" if _uses_lse(mode) else "out"), compute)
+
+
+def _uses_lse(mode: str) -> bool:
+    return mode.startswith("out_lse")
 
 
 def attend_kwargs(case: GradCase, mode: str) -> dict[str, Any]:
     kwargs = dict(case.kwargs)
-    kwargs["return_lse"] = mode == "out_lse"
+    kwargs["return_lse"] = _uses_lse(mode)
     if mode == "out_portable":
         kwargs["implementation"] = "portable"
+    if mode == "out_lse_blockwise":
+        kwargs["chunk_size"] = 2
     return kwargs
 
 
@@ -145,7 +153,7 @@ def _torch_grads(case: GradCase, mode: str) -> tuple[np.ndarray, ...]:
     if d["bias"] is not None:
         kwargs["bias"] = torch.tensor(d["bias"], dtype=torch.float64)
     result = attend(q, k, v, **kwargs)
-    if mode == "out_lse":
+    if _uses_lse(mode):
         out, lse = result
         lse_finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         loss = (out * torch.tensor(d["w_out"])).sum() + (
@@ -192,7 +200,7 @@ def test_torch_gradcheck(case: GradCase, mode: str) -> None:
 
     def f(q: Any, k: Any, v: Any, bias: Any = None) -> Any:
         result = attend(q, k, v, mask=mask, bias=bias, **kwargs)
-        if mode != "out_lse":
+        if not _uses_lse(mode):
             return result
         out, lse = result
         return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -265,7 +273,7 @@ def jax_loss_fn(case: GradCase, mode: str) -> Any:
 
     def loss(q: Any, k: Any, v: Any) -> Any:
         result = attend(q, k, v, **kwargs)
-        if mode != "out_lse":
+        if not _uses_lse(mode):
             return (result * w_out).sum()
         out, lse = result
         lse_finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -294,8 +302,12 @@ def _jax_grads(case: GradCase, mode: str, *, jit: bool) -> tuple[np.ndarray, ...
 JAX_GRAD_PARAMS = [
     pytest.param(case, mode, True, id=f"{case.id}-{mode}-jit")
     for case in GRAD_CASES
-    for mode in ("out_lse", "out")
-] + [pytest.param(case, "out_lse", False, id=f"{case.id}-out_lse-eager") for case in GRAD_CASES[:2]]
+    for mode in ("out_lse", "out", "out_lse_blockwise")
+] + [
+    pytest.param(case, mode, False, id=f"{case.id}-{mode}-eager")
+    for case in GRAD_CASES[:2]
+    for mode in ("out_lse", "out_lse_blockwise")
+]
 
 
 @requires_backend("jax")
@@ -305,7 +317,7 @@ def test_jax_grad_matches_oracle(case: GradCase, mode: str, jit: bool) -> None:
 
 
 @requires_backend("jax", "torch")
-@pytest.mark.parametrize("mode", ["out_lse", "out"])
+@pytest.mark.parametrize("mode", ["out_lse", "out", "out_lse_blockwise"])
 @pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: c.id)
 def test_torch_and_jax_grads_agree(case: GradCase, mode: str) -> None:
     pairs = zip("qkv", torch_grads(case, mode), jax_grads(case, mode), strict=True)

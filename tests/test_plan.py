@@ -19,7 +19,7 @@ import oracle
 from conftest import Backend
 from helpers import assert_close, randn, rng_for
 
-PORTABLE_PATHS = ("portable", "portable:chunked")
+PORTABLE_PATHS = ("portable", "portable:chunked", "portable:blockwise")
 
 
 def qkv(backend: Backend, dtype: str = "float32"):
