@@ -472,6 +472,26 @@ def test_torch_autograd_agrees_with_attend_backward() -> None:
 
 
 @requires_backend("torch")
+def test_torch_func_grad() -> None:
+    """torch.func.grad passes the Function (it has setup_context): autograd's numbers."""
+    import torch
+    import torch.func
+
+    case = BY_ID["softcap_scale"]
+    d = case.make()
+    k, v = torch.tensor(d["k"]), torch.tensor(d["v"])
+
+    def f(q: Any) -> Any:
+        return (
+            attend(q, k, v, chunk_size=case.chunk, **case.kwargs) * torch.tensor(d["w_out"])
+        ).sum()
+
+    q = torch.tensor(d["q"], requires_grad=True)
+    f(q).backward()
+    torch.testing.assert_close(torch.func.grad(f)(torch.tensor(d["q"])), q.grad)
+
+
+@requires_backend("torch")
 @pytest.mark.parametrize(("lq", "lk"), [(0, 5), (4, 0)])
 def test_torch_autograd_without_queries_or_keys(lq: int, lk: int) -> None:
     import torch

@@ -231,7 +231,6 @@ class BlockwiseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
         q: Any,
         k: Any,
         v: Any,
@@ -244,10 +243,14 @@ class BlockwiseFunction(torch.autograd.Function):
             out, lse = _forward_op(q, k, v, mask, bias, *_options(call, keep))
         else:
             out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep)
-        ctx.save_for_backward(q, k, v, out, lse, mask, bias)
+        return out, lse
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
+        q, k, v, mask, bias, call, keep = inputs
+        ctx.save_for_backward(q, k, v, *output, mask, bias)
         ctx.call = call
         ctx.keep = keep
-        return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
