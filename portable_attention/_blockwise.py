@@ -125,22 +125,29 @@ def forward(
     nk = grid(call, size)[1]
     todo = pairs(call, size)
     bounded = bounded_scores(call)
+    dv = call.v_shape[-1]
+    # Without dropout the row sums ride along in the matmul: e @ [v, 1] = [e @ v, sum(e)].
+    summed = keep is None
+    v = ops.v
+    if summed:
+        ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=dev)
+        v = xp.concat([v, ones], axis=-1)
     out_blocks, lse_blocks = [], []
     for qi in range(grid(call, size)[0]):
         rows = span(lq, size, qi)
         lead = (*ops.q.shape[:-2], rows[1] - rows[0])
         m = xp.full((*lead, 1), -xp.inf, dtype=ct, device=dev)
         total = xp.zeros((*lead, 1), dtype=ct, device=dev)
-        acc = xp.zeros((*lead, call.v_shape[-1]), dtype=ct, device=dev)
+        acc = xp.zeros((*lead, v.shape[-1]), dtype=ct, device=dev)
         for ki in (ki for qj, ki in todo if qj == qi):
             cols = span(lk, size, ki)
             qb = ops.q[..., rows[0] : rows[1], :]
             s, _ = block_scores(call, ops, qb, ops.k[..., cols[0] : cols[1], :], rows, cols, scores)
-            vb = ops.v[..., cols[0] : cols[1], :]
+            vb = v[..., cols[0] : cols[1], :]
             if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
                 e = xp.exp(s)
-                total = total + xp.sum(e, axis=-1, keepdims=True)
                 if keep is not None:
+                    total = total + xp.sum(e, axis=-1, keepdims=True)
                     kept = keep(block_number(qi, ki, nk), tuple(e.shape))
                     e = _dropped(xp, e, kept, call.dropout)
                 acc = acc + xp.matmul(e, vb)
@@ -149,11 +156,13 @@ def forward(
             m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
             e = xp.exp(s - m_safe)
             rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
-            total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
             if keep is not None:
+                total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
                 e = _dropped(xp, e, keep(block_number(qi, ki, nk), tuple(e.shape)), call.dropout)
             acc = rescale * acc + xp.matmul(e, vb)
             m = m_new
+        if summed:
+            acc, total = acc[..., :dv], acc[..., dv:]
         has_key = total != 0  # NaN rows keep NaN, as in dense
         total_safe = xp.where(has_key, total, 1.0)
         m_safe = 0.0 if bounded else xp.where(xp.isfinite(m), m, 0.0)
@@ -286,6 +295,13 @@ def backward(
     # without softcap [q, -lse] @ [k, 1]^T = s - lse (softcap's tanh comes in between).
     fold_delta = keep is None
     fold_lse = call.softcap is None
+    # With softcap bounding the scores (no bias), p = exp(s) * exp(-lse): the row factor
+    # goes into dout and delta (rows with no key: exp(-inf) = 0), a pass less per block.
+    bounded = bounded_scores(call)
+    if bounded:
+        factor = xp.exp(-lse_g)
+        do = do * factor[..., None]
+        delta = delta * factor
     do_aug = xp.concat([do, delta[..., None]], axis=-1) if fold_delta else do
     q_aug = xp.concat([ops.q, -lse_g[..., None]], axis=-1) if fold_lse else ops.q
     dq_blocks: dict[int, Any] = {}
@@ -312,7 +328,7 @@ def backward(
                 p = xp.exp(s_lse)
             else:
                 s, t = block_scores(call, ops, qb, kb, rows, cols, scores)
-                p = xp.exp(s - lse_g[..., rows[0] : rows[1], None])
+                p = xp.exp(s) if bounded else xp.exp(s - lse_g[..., rows[0] : rows[1], None])
             p_used = p
             if keep is None:  # fold_delta
                 dp_delta = xp.matmul(do_aug[..., rows[0] : rows[1], :], xp.matrix_transpose(vb_aug))
