@@ -70,10 +70,10 @@ def real_number(name: str, value: object) -> float:
     except (TypeError, ValueError):
         msg = f"`{name}` must be a Python float, got {value!r} of type {type_name(value)}."
         if hasattr(value, "shape"):  # a traced or many-element array
-            msg += (
-                " Under jax.jit pass it as a static argument (`static_argnames`) or a "
-                "Python constant; a traced value cannot choose the computation."
-            )
+            msg += " A value that chooses the computation must be a Python number"
+            if type(value).__module__.startswith(("jax", "jaxlib")):
+                msg += " (under jax.jit: a static argument, `static_argnames`)"
+            msg += "."
         raise TypeError(msg) from None
 
 

@@ -477,7 +477,11 @@ def to_numpy(x: Any, dtype: Any = None) -> np.ndarray:
     if dtype is None:
         out: np.ndarray = to_backend(x, "numpy")
         return out
-    target = np.dtype(dtype)
+    try:
+        target = np.dtype(dtype)
+    except TypeError:
+        msg = f"`dtype` must be a NumPy dtype or its name like 'float64', got {dtype!r}."
+        raise TypeError(msg) from None
     if dtype_name(getattr(x, "dtype", None)) == "bfloat16" and not _has_ml_dtypes():
         x = _widen_bfloat16(x)
     return np.asarray(to_backend(x, "numpy")).astype(target)

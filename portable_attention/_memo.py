@@ -19,7 +19,7 @@ from typing import Any
 
 from portable_attention import _spec
 
-#: Entries per array type. When a full table takes a new entry, its oldest entry goes
+#: Entries per array type. When a full table takes a new entry, its oldest quarter goes
 #: (insertion order). A hit only reads: it must stay traceable by ``torch.compile``,
 #: which cannot reorder a global dict inside a graph, so the order is not refreshed.
 MAX_ENTRIES = 4096
@@ -31,17 +31,22 @@ _KEYABLE = frozenset({bool, int, float, str, type(None)})
 _tables: dict[type, dict[Any, Any]] = {}
 
 
-def _torch_key(x: Any) -> tuple[Any, ...]:
+def _torch_key(x: Any) -> tuple[Any, ...] | None:
     # The layout tells sparse tensors from dense ones of the same shape: validation
-    # refuses those, so the memo must never take one for the other. (A plain function:
-    # torch.compile traces this, and cannot trace ``operator.attrgetter``.)
+    # refuses those, so the memo must never take one for the other. A nested tensor
+    # (strided ones have no sizes to read) has no key: validation names it. (A plain
+    # function: torch.compile traces this, and cannot trace ``operator.attrgetter``.)
+    if x.is_nested:
+        return None
     return (x.shape, x.dtype, x.device, x.layout)
 
 
-def _torch_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
+def _torch_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
     # Flat: one tuple to build and hash. A repeated torch call sits right after a kernel
     # that has flushed the caches, where every Python step of the key costs: right after
     # SDPA, one getter for q, k and v took 1.6-2.2 us where three took 1.8-2.7.
+    if q.is_nested or k.is_nested or v.is_nested:
+        return None
     return (
         type(k),
         type(v),
@@ -66,7 +71,7 @@ def _numpy_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
 
 def _generic_key(get_device: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
     def key(x: Any) -> tuple[Any, ...]:
-        return (x.shape, x.dtype, get_device(x))
+        return (x.shape, x.dtype, _spec.hashable_device(get_device(x)))
 
     return key
 
@@ -80,17 +85,17 @@ def _generic_qkv_key(get_device: Callable[[Any], Any]) -> Callable[[Any, Any, An
     return key
 
 
-_KEY_GETTERS: dict[str, Callable[[Any], tuple[Any, ...]]] = {
+_KEY_GETTERS: dict[str, Callable[[Any], tuple[Any, ...] | None]] = {
     "numpy": operator.attrgetter("shape", "dtype"),  # always on the CPU
     "torch": _torch_key,
 }
-_QKV_KEY_GETTERS: dict[str, Callable[[Any, Any, Any], tuple[Any, ...]]] = {
+_QKV_KEY_GETTERS: dict[str, Callable[[Any, Any, Any], tuple[Any, ...] | None]] = {
     "numpy": _numpy_qkv_key,
     "torch": _torch_qkv_key,
 }
 #: By array type, filled by :func:`register` once a type has been validated.
-_keys: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
-_qkv_keys: dict[type, Callable[[Any, Any, Any], tuple[Any, ...]]] = {}
+_keys: dict[type, Callable[[Any], tuple[Any, ...] | None]] = {}
+_qkv_keys: dict[type, Callable[[Any, Any, Any], tuple[Any, ...] | None]] = {}
 
 
 def register(call: _spec.Call, *arrays: Any) -> None:
@@ -133,25 +138,28 @@ def key(q: Any, k: Any, v: Any, mask: Any, bias: Any, options: tuple[Any, ...]) 
     t = type(q)
     if type(k) is t and type(v) is t:  # one flat getter for the three (the hot path)
         qkv = _qkv_keys.get(t)
-        if qkv is None:
+        flat = None if qkv is None else qkv(q, k, v)
+        if flat is None:
             return None
-        parts: list[Any] = [types, options, qkv(q, k, v)]
+        parts: list[Any] = [types, options, flat]
     else:  # mixed types (a traced q, a Parameter k, another framework): one getter each
         arrays: list[Any] = [type(k), type(v)]
         for x in (q, k, v):
             one = _keys.get(type(x))
-            if one is None:
+            got = None if one is None else one(x)
+            if got is None:
                 return None
-            arrays.extend(one(x))
+            arrays.extend(got)
         parts = [types, options, tuple(arrays)]
     for x in (mask, bias):
         if x is None:
             parts.append(None)
             continue
         one = _keys.get(type(x))
-        if one is None:
+        got = None if one is None else one(x)
+        if got is None:
             return None
-        parts.append((type(x), one(x)))
+        parts.append((type(x), got))
     return tuple(parts)
 
 
@@ -167,9 +175,11 @@ def put(table_type: type, key: Any, entry: Any) -> None:
     """Keep ``entry`` for ``key``; a full table drops its oldest entry first."""
     table = _tables.setdefault(table_type, {})
     if len(table) >= MAX_ENTRIES:
+        # The oldest quarter goes at once, so the copy of the keys is paid once per
+        # MAX_ENTRIES // 4 misses (a decode loop whose Lk grows misses on every step).
         # list(table) copies the keys atomically (another thread may insert meanwhile,
         # which would break an iterator), and pop tolerates a key another thread took.
-        for oldest in list(table)[: len(table) - MAX_ENTRIES + 1]:
+        for oldest in list(table)[: len(table) - MAX_ENTRIES + max(1, MAX_ENTRIES // 4)]:
             table.pop(oldest, None)
     table[key] = entry
 

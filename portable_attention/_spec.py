@@ -9,6 +9,7 @@ argument, shows what was passed and says what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -57,6 +58,11 @@ class Call:
     chunk_size: int | None
     return_weights: bool
     return_lse: bool
+
+    def __hash__(self) -> int:
+        # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return hash((fields[:2], hashable_device(self.device), fields[3:]))
 
     @property
     def align(self) -> str:
@@ -144,6 +150,12 @@ _DEVICE_GETTERS: dict[str, Callable[[Any], Any]] = {
     "torch": _device_attribute,
     "cupy": _device_attribute,
 }
+
+
+def hashable_device(device: Any) -> Any:
+    """``device`` as part of a hash key: itself, or its ``repr`` where its type is not
+    hashable (``cupy.cuda.Device``), equal for equal devices."""
+    return device if type(device).__hash__ is not None else repr(device)
 
 
 def device_getter(backend: str) -> Callable[[Any], Any]:

@@ -65,22 +65,28 @@ for dtype_name in ("float32", "bfloat16", "float16"):
         rq, rk, rv = (np.asarray(x, dtype=np.float64) for x in (jq, jk, jv))
         spec = {x: y for x, y in kw.items() if x != "chunk_size"}
         ref_out, _, ref_lse = oracle.attention(rq, rk, rv, mask=mask, bias=bias, **spec)
-        f = jax.jit(lambda a, b, cc, m, bb: attend(a, b, cc, mask=m, bias=bb, return_lse=True, **kw))
+        f = jax.jit(
+            lambda a, b, cc, m, bb: attend(a, b, cc, mask=m, bias=bb, return_lse=True, **kw)
+        )
         out, lse = f(jq, jk, jv, jmask, jbias)
-        loss = lambda a, b, cc: jnp.sum(attend(a, b, cc, mask=jmask, bias=jbias, **kw).astype(jnp.float32))
+        def loss(a, b, cc):
+            return jnp.sum(attend(a, b, cc, mask=jmask, bias=jbias, **kw).astype(jnp.float32))
+
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
         empty = np.isneginf(ref_lse)
         finite = ~empty
+        out64, lse64 = np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)
+        g64 = [np.asarray(g, dtype=np.float64) for g in grads]
         results.append({
             "case": f"{dtype_name}-{name}",
             "path": plan(jq, jk, jv, mask=jmask, bias=jbias, **kw).path,
             "out_dtype": str(out.dtype), "lse_dtype": str(lse.dtype),
             "grad_dtypes": [str(g.dtype) for g in grads],
-            "out_err": float(np.max(np.abs(np.asarray(out, dtype=np.float64) - ref_out), initial=0.0)),
-            "lse_err": float(np.max(np.abs(np.asarray(lse, dtype=np.float64)[finite] - ref_lse[finite]), initial=0.0)),
-            "empty_ok": bool(np.all(np.asarray(out, dtype=np.float64)[empty] == 0) and np.all(np.isneginf(np.asarray(lse)[empty]))),
-            "grads_finite": all(bool(np.all(np.isfinite(np.asarray(g, dtype=np.float64)))) for g in grads),
-            "dq_empty_zero": bool(np.all(np.asarray(grads[0], dtype=np.float64)[empty] == 0)),
+            "out_err": float(np.max(np.abs(out64 - ref_out), initial=0.0)),
+            "lse_err": float(np.max(np.abs(lse64[finite] - ref_lse[finite]), initial=0.0)),
+            "empty_ok": bool(np.all(out64[empty] == 0) and np.all(np.isneginf(lse64[empty]))),
+            "grads_finite": all(bool(np.all(np.isfinite(g))) for g in g64),
+            "dq_empty_zero": bool(np.all(g64[0][empty] == 0)),
         })
 
 # dropout needs a key; same key, same result; under jit

@@ -718,3 +718,35 @@ def test_jax_native_compiles_once_when_eager() -> None:
         monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     np.testing.assert_array_equal(backend.to_numpy(again), backend.to_numpy(first))
+
+
+class _UnhashableDevice:
+    """A device like CuPy's ``cupy.cuda.Device``: compared by ``==``, no ``__hash__``."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _UnhashableDevice) and other.n == self.n
+
+    def __repr__(self) -> str:
+        return f"<Device {self.n}>"
+
+
+def test_calls_and_memo_keys_on_a_device_type_that_is_not_hashable() -> None:
+    """Plans are cached by the whole call and the memo keys arrays by their device: a
+    device type without ``__hash__`` (CuPy's) enters both by its repr, equal devices
+    alike, other devices apart. (CuPy itself cannot run here.)"""
+    import dataclasses
+
+    from portable_attention import _memo, _plan
+
+    q = np.ones((1, 2, 4, 8), dtype=np.float32)
+    call = validate_call(q, q, q)
+    on = [dataclasses.replace(call, device=_UnhashableDevice(n)) for n in (0, 0, 1)]
+    assert hash(on[0]) == hash(on[1]) and on[0] == on[1] and on[0] != on[2]
+    assert _plan.choose(on[0], "portable").path == "portable"
+    key = _memo._generic_key(lambda x: _UnhashableDevice(0))
+    assert hash(key(q)) == hash(key(q))

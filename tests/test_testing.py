@@ -1404,3 +1404,23 @@ def test_check_attention_report_and_arguments() -> None:
     for kwargs, error, match in bad:
         with pytest.raises(error, match=match):
             check_attention(attend, **kwargs)
+
+
+def test_reference_keeps_nan_in_its_row() -> None:
+    """A NaN score is not a masked one: the reference's NaN row stays NaN (as attend's),
+    the other rows are untouched, and a -inf bias still masks."""
+    q = np.ones((1, 3, 4))
+    kv = np.ones((1, 3, 4))
+    q[0, 1, 0] = np.nan
+    ref = reference_attention(q, kv, kv)
+    assert np.isnan(ref.out[0, 1]).all() and np.isnan(ref.lse[0, 1])
+    assert np.isfinite(ref.out[0, [0, 2]]).all()
+    bias = np.zeros((1, 3, 3))
+    bias[0, 0] = -np.inf
+    masked = reference_attention(np.ones((1, 3, 4)), kv, kv, bias=bias)
+    assert (masked.out[0, 0] == 0).all() and np.isneginf(masked.lse[0, 0])
+
+
+def test_to_numpy_names_a_bad_dtype() -> None:
+    with pytest.raises(TypeError, match=r"`dtype`"):
+        to_numpy(np.ones(3), dtype="bogus")

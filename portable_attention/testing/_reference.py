@@ -127,7 +127,7 @@ def reference_attention(
     if bias is not None:
         scores = scores + _broadcast("bias", to_numpy(bias, dtype="float64"), scores.shape)
 
-    allowed = scores > -np.inf  # a -inf score (from the bias) masks its key
+    allowed = scores != -np.inf  # a -inf score (from the bias) masks its key; NaN stays
     if mask is not None:
         mask_np = to_numpy(mask)
         if mask_np.dtype != np.bool_:
