@@ -209,6 +209,15 @@ def ulysses_attend(
     -------
     As ``attend``: ``out [..., Hq, L/P, Dv]`` (this shard's rows), and where asked
     ``weights [..., Hq, L/P, Lk]`` (all keys, natural order) and ``lse [..., Hq, L/P]``.
+    Differentiable through both all-to-alls (their backward is the inverse all-to-all).
+
+    Raises
+    ------
+    ValueError
+        Head counts the shards cannot split (naming ``Hq``, ``Hk`` and ``P``), an unbound
+        ``axis_name``, shards of unequal shapes across ranks, or ``attend``'s checks.
+    TypeError
+        As :func:`ring_attend`.
     """
     layout = check_layout(layout)
     xp, backend, _device = _spec.check_arrays(q=q, k=k, v=v)
@@ -243,17 +252,14 @@ def ulysses_attend(
     if backend == "jax" and options.get("rng") is not None:
         options["rng"] = module.fold_rng(options["rng"], index)
     result = _attend(qh, kh, vh, options)
-    return_weights = bool(options.get("return_weights", False))
     return_lse = bool(options.get("return_lse", False))
     items = list(result) if isinstance(result, tuple) else [result]
     back = []
     for position, item in enumerate(items):
-        is_lse = return_lse and position == len(items) - 1
-        seq = -1 if is_lse else -2
+        seq = -1 if return_lse and position == len(items) - 1 else -2  # lse: [..., H, L]
         if layout != "contiguous":
             item = permute(xp, item, size, layout, item.ndim + seq, inverse=False)
         back.append(module.heads_to_seq(item, link, heads=seq - 1, seq=seq))
-    del return_weights
     return tuple(back) if isinstance(result, tuple) else back[0]
 
 
