@@ -387,8 +387,8 @@ def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
     return e, denom_safe, lse[..., 0]
 
 
-def auto_chunk(call: Call) -> int:
-    """Block length for the blockwise path: blocks of ``CHUNK_BUDGET`` scores in all."""
+def auto_chunk(call: Call, budget: int = CHUNK_BUDGET) -> int:
+    """Block length for the blockwise path: blocks of ``budget`` scores in all."""
     heads_and_batch = math.prod(call.q_shape[:-2])
-    side = math.isqrt(max(CHUNK_BUDGET // max(heads_and_batch, 1), 1))
+    side = math.isqrt(max(budget // max(heads_and_batch, 1), 1))
     return max(64, min(1024, 1 << max(side.bit_length() - 1, 0)))
