@@ -282,6 +282,13 @@ def test_reorder_of_sharded_arrays(kind: str) -> None:
         np.testing.assert_array_equal(np.asarray(moved), want)
         back = parallel.restore(moved, 8, "zigzag")
         np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+    # Its gradient (the transposed ppermutes): the cotangent restored.
+    weights = rng_for("reorder-grad").standard_normal(x.shape).astype(np.float32)
+    placed_weights = jax.device_put(weights, NamedSharding(mesh, SEQ))
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(parallel.reorder(x, 8, "zigzag") * w)))
+    np.testing.assert_array_equal(
+        np.asarray(grad(placed, placed_weights)), parallel.restore(weights, 8, "zigzag")
+    )
     eager = parallel.reorder(placed, 8, "zigzag")
     assert eager.sharding.spec == SEQ  # moved between the shards, not gathered
     text = (
