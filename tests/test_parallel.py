@@ -16,7 +16,7 @@ from portable_attention.parallel import _layout, _merge
 from portable_attention.parallel._schedule import Block
 
 from conftest import BY_NAME, Backend, requires_backend
-from helpers import randn, rng_for
+from helpers import randn, rng_for, run_python
 
 NP_XP = pa.masks._namespace(None)
 
@@ -273,3 +273,16 @@ def test_heads_check_names_the_counts() -> None:
         parallel._check_heads(6, 2, 4)
     with pytest.raises(ValueError, match=r"Hk=3.*P=4"):
         parallel._check_heads(12, 3, 4)
+
+
+def test_frameworks_are_imported_only_when_their_arrays_arrive() -> None:
+    out = run_python(
+        "import sys\n"
+        "import numpy as np\n"
+        "from portable_attention import parallel\n"
+        "parallel.restore(parallel.reorder(np.zeros((1, 8, 2)), 2, 'zigzag'), 2, 'zigzag')\n"
+        "parallel.schedule(4, 'zigzag', 64, causal=True).balance()\n"
+        "print(sorted(m for m in ('jax', 'torch', 'portable_attention.parallel._jax',\n"
+        "    'portable_attention.parallel._torch') if m in sys.modules))\n"
+    )
+    assert out.strip() == "[]"
