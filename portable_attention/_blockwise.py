@@ -95,10 +95,6 @@ def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:
     return qi * n_key_blocks + ki
 
 
-def _dropped(xp: Any, x: Any, keep: Any, p: float) -> Any:
-    return xp.where(keep, x / (1.0 - p), 0.0)
-
-
 def forward(
     call: Call,
     q: Any,
@@ -149,7 +145,7 @@ def forward(
                 if keep is not None:
                     total = total + xp.sum(e, axis=-1, keepdims=True)
                     kept = keep(block_number(qi, ki, nk), tuple(e.shape))
-                    e = _dropped(xp, e, kept, call.dropout)
+                    e = _core.apply_keep(xp, e, kept, call.dropout)
                 acc = acc + xp.matmul(e, vb)
                 continue
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
@@ -158,7 +154,9 @@ def forward(
             rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
             if keep is not None:
                 total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
-                e = _dropped(xp, e, keep(block_number(qi, ki, nk), tuple(e.shape)), call.dropout)
+                e = _core.apply_keep(
+                    xp, e, keep(block_number(qi, ki, nk), tuple(e.shape)), call.dropout
+                )
             acc = rescale * acc + xp.matmul(e, vb)
             m = m_new
         if summed:
@@ -335,9 +333,10 @@ def backward(
             else:
                 dp = xp.matmul(dob, xp.matrix_transpose(vb))
                 kept = keep(block_number(qi, ki, nk), tuple(p.shape))
-                p_used = _dropped(xp, p, kept, call.dropout)
+                p_used = _core.apply_keep(xp, p, kept, call.dropout)
                 dp_delta = (
-                    _dropped(xp, dp, kept, call.dropout) - delta[..., rows[0] : rows[1], None]
+                    _core.apply_keep(xp, dp, kept, call.dropout)
+                    - delta[..., rows[0] : rows[1], None]
                 )
             dv_new = _sum_group(call, xp.matmul(xp.matrix_transpose(p_used), dob))
             dv_b = dv_new if dv_b is None else dv_b + dv_new

@@ -348,7 +348,12 @@ def dense(
 def inverted_dropout(xp: Any, x: Any, keep_mask: KeepMask, p: float) -> Any:
     """``x`` where a keep-mask drawn for its shape is True, scaled by ``1 / (1 - p)``;
     0 elsewhere."""
-    return xp.where(keep_mask(tuple(x.shape)), x / (1.0 - p), 0.0)
+    return apply_keep(xp, x, keep_mask(tuple(x.shape)), p)
+
+
+def apply_keep(xp: Any, x: Any, keep: Any, p: float) -> Any:
+    """``x`` where ``keep`` is True, scaled by ``1 / (1 - p)``; 0 elsewhere."""
+    return xp.where(keep, x / (1.0 - p), 0.0)
 
 
 def rows_may_be_empty(call: Call) -> bool:
