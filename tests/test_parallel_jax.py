@@ -196,14 +196,14 @@ def test_users_own_shard_map(layout: str) -> None:
         jax.device_put(x, NamedSharding(mesh, SEQ if x.ndim == 4 else P(None, None, "s")))
         for x in permuted
     ]
-    # Forward under the default check_vma=True.
+    # Forward under the default check_vma=True (small blocks: attend's dense path).
     out, lse = jax.jit(_own_shard_map(mesh, layout, True, **options))(*placed[:3])
     ref_out, ref_lse = pa.attend(q, k, v, return_lse=True, **options)
     np.testing.assert_allclose(np.asarray(parallel.restore(out, 8, layout)), ref_out, atol=1e-12)
     np.testing.assert_allclose(
         np.asarray(parallel.restore(lse, 8, layout, axis=-1)), ref_lse, atol=1e-12
     )
-    # Gradients (check_vma=False: see test_gradient_under_check_vma).
+    # Gradients (check_vma=False: see test_own_shard_map_under_check_vma).
     got = _with_vjp(_own_shard_map(mesh, layout, False, **options))(*placed)
     back = (
         parallel.restore(got[0], 8, layout),
@@ -215,11 +215,18 @@ def test_users_own_shard_map(layout: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="core: the JAX blockwise scan of attend_backward starts its carry with "
-    "jnp.zeros, which is not varying over the shard_map axis (check_vma=True)",
+    raises=TypeError,
+    reason="core: the JAX blockwise scans of attend (portable:blockwise) and attend_backward "
+    "start their carries with jnp.zeros, which is not varying over the shard_map axis "
+    "(check_vma=True): 'scan body function carry input and carry output must have equal types'",
 )
-def test_gradient_under_check_vma() -> None:
+@pytest.mark.parametrize("what", ["gradient", "blockwise-forward"])
+def test_own_shard_map_under_check_vma(what: str) -> None:
     mesh = mesh_of(8)
+    if what == "blockwise-forward":  # blocks large enough for attend's blockwise path
+        x = jax.ShapeDtypeStruct((1, 8, 8192, 64), jnp.float32, sharding=NamedSharding(mesh, SEQ))
+        jax.jit(_own_shard_map(mesh, "contiguous", True, causal=True)).lower(x, x, x).compile()
+        return
     q, k, v, dout, dlse = _inputs("vma", jnp.float64, 4, 2, 64, 64)
     placed = [jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v, dout)]
     placed.append(jax.device_put(dlse, NamedSharding(mesh, P(None, None, "s"))))
