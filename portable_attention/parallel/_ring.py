@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from portable_attention import _core
 from portable_attention._spec import Call
 from portable_attention.parallel._merge import add_rows, merge_rows
 from portable_attention.parallel._schedule import Block
@@ -35,9 +34,6 @@ class Options:
     softcap: float | None
     chunk_size: int | None
     return_lse: bool
-    #: The backward's block length where ``chunk_size`` is not given: the core's
-    #: automatic one for these batch and head dims.
-    auto_block: int
 
     @classmethod
     def of(cls, call: Call) -> Options:
@@ -46,18 +42,7 @@ class Options:
             softcap=call.softcap,
             chunk_size=call.chunk_size,
             return_lse=call.return_lse,
-            auto_block=_core.auto_chunk(call),
         )
-
-    def backward_block(self, block: Block) -> dict[str, Any]:
-        """attend_backward's keyword arguments for one block: the block length no longer
-        than the block (JAX's blockwise backward pads every call to whole blocks of its
-        length; an 8 x 8 block padded to 1024 x 1024 took 0.8 s a ring backward)."""
-        options = self.block(block)
-        if self.chunk_size is None:
-            extent = max(block.rows[1] - block.rows[0], block.cols[1] - block.cols[0])
-            options["chunk_size"] = min(self.auto_block, max(16, 1 << (extent - 1).bit_length()))
-        return options
 
     def block(self, block: Block) -> dict[str, Any]:
         """attend's keyword arguments for one block."""
@@ -136,7 +121,7 @@ def backward_blocks(
             _rows(out, block.rows),
             _lse_rows(lse, block.rows),
             dlse=None if dlse is None else _lse_rows(dlse, block.rows),
-            **options.backward_block(block),
+            **options.block(block),
         )
         dq = add_rows(xp, dq, block.rows, g.dq)
         dk = add_rows(xp, dk, block.cols, g.dk)
