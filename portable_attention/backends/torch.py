@@ -83,10 +83,12 @@ _Options = tuple[str, int, int, bool, float, float, float, int, int]
 
 def _options(call: _spec.Call, keep: SeededKeep | None) -> _Options:
     left, right = call.window if call.window is not None else (None, None)
+    wide = call.q_shape[-2] + call.k_shape[-2]  # no distance on the grid is larger: a
+    # wider side (up to 2**70 is valid) means the same and fits the schema's int64
     return (
         call.causal or "",
-        -1 if left is None else left,
-        -1 if right is None else right,
+        -1 if left is None else min(left, wide),
+        -1 if right is None else min(right, wide),
         call.window is not None,
         call.scale,
         call.softcap or 0.0,
