@@ -18,7 +18,7 @@ from portable_attention import Grads, attend, attend_backward, plan
 
 import oracle
 from conftest import Backend, requires_backend
-from helpers import assert_like, randn, rng_for
+from helpers import assert_like, randn, rng_for, run_python
 
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -621,6 +621,45 @@ def test_jax_program_does_not_grow_with_length() -> None:
     small, large = size(32), size(256)
     assert small[0] == large[0]
     assert abs(small[1] - large[1]) < 0.02 * small[1]
+
+
+@requires_backend("jax")
+def test_jax_scans_under_shard_map_check_vma() -> None:
+    """Inside shard_map (check_vma=True, the default) the scans' carries vary over the
+    mesh axis as the inputs do: jit(grad) and attend_backward compile and run, and agree
+    with the call on one device. A fresh interpreter: the host needs 2 devices."""
+    code = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from portable_attention import attend, attend_backward
+jax.config.update("jax_enable_x64", True)
+mesh = jax.make_mesh((2,), ("b",))
+spec = P("b")
+x = jax.random.normal(jax.random.key(0), (4, 2, 2, 40, 8))
+q, k, v, dout = x[0], x[1], x[2], x[3]
+opts = dict(causal=True, softcap=3.0, chunk_size=16)
+def loss(q, k, v):
+    return (attend(q, k, v, **opts) * dout).sum()
+grad = jax.grad(loss, argnums=(0, 1, 2))
+def local(q, k, v, dout):
+    out, lse = attend(q, k, v, return_lse=True, **opts)
+    g = attend_backward(dout, q, k, v, out, lse, **opts)
+    return (*g[:3],)
+shard = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3))
+placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (q, k, v, dout)]
+for a, b in zip(shard(*placed), grad(q, k, v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+def local_grad(q, k, v, dout):
+    f = lambda q, k, v: (attend(q, k, v, **opts) * dout).sum()
+    return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+graded = jax.jit(jax.shard_map(local_grad, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3))
+for a, b in zip(graded(*placed), grad(q, k, v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+print("ok")
+"""
+    assert run_python(code).strip().endswith("ok")
 
 
 @requires_backend("jax")

@@ -339,6 +339,18 @@ def _pad_rows(x: Any, length: int, axis: int, value: float | bool) -> Any:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _carry(shape: tuple[int, ...], dtype: Any, value: float, *like: Any) -> Any:
+    """A scan carry of ``value``, typed as varying over every ``shard_map`` axis that one
+    of ``like`` varies over: under ``check_vma`` a scan's carry must keep its type, and
+    the steps make it vary as the inputs do. (A zero scalar ``zeros_like`` each input
+    carries its type and reads none of its data.)"""
+    x = jnp.full(shape, value, dtype)
+    for a in like:
+        if a is not None:
+            x = x + jnp.zeros_like(a, dtype=dtype, shape=())
+    return x
+
+
 def _slice(x: Any, start: Any, size: int, axis: int) -> Any:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
 
@@ -467,10 +479,11 @@ def _scan_forward(
     ops = _padded_operands(g, q, k, v, mask, bias)
     ct = call.compute_dtype
     lead = ops.q.shape[:-1]
+    inputs = (ops.q, ops.k, ops.v, ops.mask, ops.bias)
     init = (
-        jnp.zeros((*lead, call.v_shape[-1]), ct),
-        jnp.full((*lead, 1), -jnp.inf, ct),
-        jnp.zeros((*lead, 1), ct),
+        _carry((*lead, call.v_shape[-1]), ct, 0.0, *inputs),
+        _carry((*lead, 1), ct, -jnp.inf, *inputs),
+        _carry((*lead, 1), ct, 0.0, *inputs),
     )
 
     def step(carry: Any, pair: Any) -> Any:
@@ -534,9 +547,10 @@ def _scan_backward(
     lse_g = _blockwise.grouped(call, lse, last=None)
     lse_g = _pad_rows(jnp.where(lse_g == -jnp.inf, jnp.inf, lse_g), lqp, -1, jnp.inf)
     ct = call.compute_dtype
-    init = [jnp.zeros(ops.q.shape, ct), jnp.zeros(ops.k.shape, ct), jnp.zeros(ops.v.shape, ct)]
+    inputs = (ops.q, ops.k, ops.v, ops.mask, ops.bias, do, delta, lse_g)
+    init = [_carry(x.shape, ct, 0.0, *inputs) for x in (ops.q, ops.k, ops.v)]
     if ops.bias is not None:
-        init.append(jnp.zeros(ops.bias.shape, ct))
+        init.append(_carry(ops.bias.shape, ct, 0.0, *inputs))
     grouped = call.grouped
 
     def kv_grad(x: Any, y: Any) -> Any:
