@@ -203,7 +203,7 @@ def test_users_own_shard_map(layout: str) -> None:
     np.testing.assert_allclose(
         np.asarray(parallel.restore(lse, 8, layout, axis=-1)), ref_lse, atol=1e-12
     )
-    # Gradients (check_vma=False: see test_own_shard_map_under_check_vma).
+    # Gradients (check_vma=True: test_own_shard_map_under_check_vma).
     got = _with_vjp(_own_shard_map(mesh, layout, False, **options))(*placed)
     back = (
         parallel.restore(got[0], 8, layout),
@@ -213,15 +213,11 @@ def test_users_own_shard_map(layout: str) -> None:
     _compare(back, _reference(options)(q, k, v, dout, dlse), "float64")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="core: the JAX blockwise scans of attend (portable:blockwise) and attend_backward "
-    "start their carries with jnp.zeros, which is not varying over the shard_map axis "
-    "(check_vma=True): 'scan body function carry input and carry output must have equal types'",
-)
 @pytest.mark.parametrize("what", ["gradient", "blockwise-forward"])
 def test_own_shard_map_under_check_vma(what: str) -> None:
+    """A user's own ``shard_map`` with JAX's default ``check_vma=True``: the blockwise
+    scans' carries are typed as varying over the axis, so long shards (attend's blockwise
+    path) compile and gradients equal one device's."""
     mesh = mesh_of(8)
     if what == "blockwise-forward":  # blocks large enough for attend's blockwise path
         x = jax.ShapeDtypeStruct((1, 8, 8192, 64), jnp.float32, sharding=NamedSharding(mesh, SEQ))
@@ -230,7 +226,13 @@ def test_own_shard_map_under_check_vma(what: str) -> None:
     q, k, v, dout, dlse = _inputs("vma", jnp.float64, 4, 2, 64, 64)
     placed = [jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v, dout)]
     placed.append(jax.device_put(dlse, NamedSharding(mesh, P(None, None, "s"))))
-    _with_vjp(_own_shard_map(mesh, "contiguous", True, causal=True))(*placed)
+    got = _with_vjp(_own_shard_map(mesh, "contiguous", True, causal=True))(*placed)
+    back = (
+        parallel.restore(got[0], 8, "contiguous"),
+        parallel.restore(got[1], 8, "contiguous", axis=-1),
+        tuple(parallel.restore(g, 8, "contiguous") for g in got[2]),
+    )
+    _compare(back, _reference({"causal": True})(q, k, v, dout, dlse), "float64")
 
 
 def _compiled(fn: Any, *shapes: Any) -> Any:
