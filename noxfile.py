@@ -108,7 +108,7 @@ def tests_all(session: nox.Session) -> None:
 def compile_tests(session: nox.Session) -> None:
     """The ``torch.compile`` tests (``-m compile``, 10-40 s each): every entry point that
     claims ``fullgraph=True`` is compiled and checked against eager."""
-    _run_tests(session, ("torch",), "-m", "compile")
+    _run_tests(session, ("numpy", "torch"), "-m", "compile")  # NumPy calls before compiling
 
 
 @nox.session
