@@ -4,8 +4,9 @@
 left and right padding, float32 and float64, greedy generation with dynamic and static
 caches, attention weights, additive 4-D masks, dropout, half precision), Gemma 2 (softcap
 and sliding window), Mistral (sliding window), and on transformers >= 5 BERT and T5
-(bidirectional attention, ``position_bias``, cross-attention). Verified on transformers
-4.48.3, 4.56.2 and 5.24.0."""
+(bidirectional attention, ``position_bias``, cross-attention), and gpt-oss (attention sinks,
+``s_aux``, alternating sliding-window and full layers, training the sinks) from transformers
+4.55 on. Verified on transformers 4.48.3, 4.56.2 and 5.24.0 (gpt-oss on 5.24.0)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ if "torch" not in BY_NAME:
 import torch
 import transformers
 from portable_attention.integrations import transformers as hf
+from portable_attention.testing import tolerance
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig
 
 try:  # transformers >= 4.53 builds masks per implementation; older ones additive floats
@@ -68,11 +70,11 @@ def mistral() -> MistralConfig:
     return MistralConfig(**SMALL, sliding_window=3)
 
 
-def build(config: Any, impl: str, dtype: torch.dtype = torch.float32) -> Any:
+def build(config: Any, impl: str, dtype: torch.dtype = torch.float32, **kw: Any) -> Any:
     """The same random weights for every ``impl`` (a copy of the config each: transformers
-    writes the implementation into the config it is given)."""
+    writes the implementation into the config it is given); ``kw`` go to ``from_config``."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl, **kw)
     assert model.config._attn_implementation == impl
     return model.to(dtype).eval()
 
@@ -112,7 +114,8 @@ def test_register_is_idempotent_and_returns_the_name() -> None:
     assert ALL_ATTENTION_FUNCTIONS[NAME] is hf.attention_forward
     if MASKS is not None:  # transformers >= 4.53: transformers' sdpa boolean mask builder
         assert MASKS[NAME] is MASKS["sdpa"]
-    for bad in ("", "sdpa", "eager", "flash_attention_2"):
+    # names transformers dispatches as its own kernels (gpt-oss refuses any name with "sdpa")
+    for bad in ("", "sdpa", "eager", "flash_attention_2", "portable_sdpa", "org/kernel"):
         with pytest.raises(ValueError, match="`name`"):
             hf.register(bad)
 
@@ -366,8 +369,8 @@ def test_attention_forward_without_mask_is_causal_upper_left() -> None:
 def test_attention_forward_refuses_what_it_cannot_honour() -> None:
     module = torch.nn.Module().eval()
     q, k, v = qkv()
-    with pytest.raises(TypeError, match=r"`s_aux`.*attention sinks"):
-        hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(TypeError, match=r"`block_indices`.*sparse block selection"):
+        hf.attention_forward(module, q, k, v, None, block_indices=torch.zeros(4))
     with pytest.raises(TypeError, match="`made_up_option`"):
         hf.attention_forward(module, q, k, v, None, made_up_option=3)
     with pytest.raises(TypeError, match="`attention_mask`"):
@@ -379,3 +382,194 @@ def test_attention_forward_refuses_what_it_cannot_honour() -> None:
         module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 5]), position_ids=None, s_aux=None
     )
     assert out.shape == (2, 5, 4, 8)
+
+
+# -- gpt-oss: attention sinks ----------------------------------------------------------------
+
+GPT_OSS = getattr(transformers, "GptOssConfig", None)
+needs_gpt_oss = pytest.mark.skipif(GPT_OSS is None, reason="gpt-oss is in transformers >= 4.55")
+# transformers 5.24 runs gpt-oss's experts through torch's grouped GEMM, which has no
+# float64 on CPU; its unfused experts ("eager") have. The option is passed from
+# transformers 5 on only (4.x releases are not verified with gpt-oss here).
+EXPERTS_FLOAT64 = (
+    {"experts_implementation": "eager"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+)
+
+
+def gpt_oss() -> Any:
+    """4 layers, sliding-window (4 keys) and full attention alternating; 4 query heads on 2
+    key/value heads; a learned sink per query head (``s_aux``); 4 experts, 2 per token."""
+    assert GPT_OSS is not None
+    return GPT_OSS(
+        **{**SMALL, "num_hidden_layers": 4, "intermediate_size": 64},
+        head_dim=16,
+        sliding_window=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def sink_grads(model: Any) -> torch.Tensor:
+    """The gradients of every layer's sinks, ``[layers, Hq]``."""
+    return torch.stack([layer.self_attn.sinks.grad for layer in model.model.layers])
+
+
+def assert_within_table(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    rtol, atol = tolerance(expected.dtype)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+@needs_gpt_oss
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_gpt_oss_matches_eager(padding: str | None) -> None:
+    """gpt-oss refuses ``sdpa``; a registered implementation gets ``s_aux`` (the layer's
+    ``sinks`` parameter, ``[Hq]``) as ``attend``'s ``sinks=``. The logits agree with eager's
+    on *every* position, padded ones too: with a sink no row is empty in eager either (a
+    fully masked row puts all its weight on the sink, whose value is 0: output 0, as
+    ``attend`` gives for a row with no key), so nothing differs there to leave out.
+
+    float64 (experts unfused: torch's grouped GEMM has no float64 on CPU): within the
+    table's float64 tolerance of eager (measured: equal). float32: the table bounds one
+    attention call (``test_attention_forward_with_s_aux_matches_gpt_oss_eager``; measured
+    3.3e-6 per layer here), not the logits of 4 layers of experts at ``INIT``, which amplify
+    any rounding: eager's own float32 logits are 1.8e-4 from float64 (ours 5.3e-5 to
+    1.2e-4, and 1.4e-4 from eager's). So float32 must be as accurate as eager against
+    float64."""
+    config = gpt_oss()
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        build(config, "sdpa")
+    ids, am = batch(padding)
+    mask = None if padding is None else am
+    out = {}
+    for impl in ("eager", NAME):
+        out[impl, torch.float32] = logits(build(config, impl), ids, mask)
+        wide = build(config, impl, torch.float64, **EXPERTS_FLOAT64)
+        out[impl, torch.float64] = logits(wide, ids, mask)
+    for (_, dtype), got in out.items():
+        assert got.dtype == dtype
+        assert got.shape == (3, SEQ, SMALL["vocab_size"])
+    ref = out["eager", torch.float64]
+    assert_within_table(out[NAME, torch.float64], ref)
+    err = {
+        impl: (out[impl, torch.float32].double() - ref).abs().max().item()
+        for impl in (NAME, "eager")
+    }
+    assert err[NAME] <= 1.5 * err["eager"] + tolerance(torch.float32).atol, err
+
+
+@needs_gpt_oss
+def test_gpt_oss_trains_its_sinks_as_eager_does() -> None:
+    """A language-model loss on a left-padded batch: the sinks' gradients (and a projection's)
+    match eager's, and one optimizer step through the portable model changes the sinks."""
+    ids, am = batch("left")
+    labels = ids.masked_fill(am == 0, -100)
+    models = {impl: build(gpt_oss(), impl).train() for impl in ("eager", NAME)}
+    for model in models.values():
+        model(ids, attention_mask=am, labels=labels).loss.backward()
+    ours, theirs = models[NAME], models["eager"]
+    assert_within_table(sink_grads(ours), sink_grads(theirs))
+    assert sink_grads(ours).abs().min() > 0  # every head's sink takes part
+    q_grad = [m.model.layers[1].self_attn.q_proj.weight.grad for m in (ours, theirs)]
+    assert_within_table(*q_grad)
+
+    before = torch.stack([layer.self_attn.sinks.detach().clone() for layer in ours.model.layers])
+    torch.optim.SGD(ours.parameters(), lr=0.1).step()
+    after = torch.stack([layer.self_attn.sinks.detach() for layer in ours.model.layers])
+    torch.testing.assert_close(after, before - 0.1 * sink_grads(ours))
+    assert (after - before).abs().min() > 0
+
+
+@needs_gpt_oss
+def test_gpt_oss_greedy_generate_matches_eager() -> None:
+    """Decode steps (one query against the cache; a ring of 4 slots on sliding layers)."""
+    ids, am = batch("left")
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    seqs = [
+        build(gpt_oss(), impl).generate(ids, attention_mask=am, **kw) for impl in ("eager", NAME)
+    ]
+    assert seqs[0].shape == (3, SEQ + 6)
+    assert torch.equal(seqs[0], seqs[1])
+
+
+@needs_gpt_oss
+def test_attention_forward_with_s_aux_matches_gpt_oss_eager() -> None:
+    """The attention function alone against gpt-oss's ``eager_attention_forward`` (which
+    reads ``module.sinks``): outputs, weights (without the sink's column), the gradients of
+    the sinks and the query; a query row with no key gives 0 in both."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    config = gpt_oss()
+    torch.manual_seed(0)
+    module = modeling_gpt_oss.GptOssAttention(config, layer_idx=1).eval()
+    torch.nn.init.normal_(module.sinks, std=2.0)  # sinks that matter: weights sum well below 1
+    q, k, v = (t.repeat(1, 1, 1, 2) for t in qkv())  # head_dim 16, as the module's
+    allowed = torch.tril(torch.ones(5, 5, dtype=torch.bool)).repeat(2, 1, 1, 1)
+    allowed[1, :, 2] = False  # a query row with no key to attend
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+    runs = {}
+    for impl in ("eager", NAME):
+        module.zero_grad()
+        qq = q.clone().requires_grad_()
+        if impl == NAME:
+            out, weights = hf.attention_forward(
+                module,
+                qq,
+                k,
+                v,
+                allowed,
+                scaling=module.scaling,
+                s_aux=module.sinks,
+                output_attentions=True,
+            )
+        else:
+            out, weights = modeling_gpt_oss.eager_attention_forward(
+                module, qq, k, v, additive, scaling=module.scaling
+            )
+        out.square().sum().backward()
+        runs[impl] = (out, weights, module.sinks.grad.clone(), qq.grad)
+    for ours, theirs in zip(runs[NAME], runs["eager"], strict=True):
+        assert ours.shape == theirs.shape
+        assert_within_table(ours.detach(), theirs.detach())
+    out, weights = runs[NAME][:2]
+    assert out.shape == (2, 5, 4, 16)
+    assert torch.all(out[1, 2] == 0)
+    assert torch.all(weights[1, :, 2] == 0)
+    assert weights.sum(-1)[0].max() < 0.99  # the sink takes its share of every row
+    plain = hf.attention_forward(module, q, k, v, allowed, scaling=module.scaling)[0]
+    assert (plain - out.detach()).abs().max() > 1e-2
+
+
+def test_attention_forward_sinks_layouts_and_dtypes() -> None:
+    """``sinks`` as transformers' extra key column ``[B|1, Hq, 1, 1]`` is the same as a
+    ``[Hq]`` sink; per query position, or under both names, it is refused. A float32 sink
+    stays float32 for a bfloat16 query (``attend`` computes in float32 there) and is cast to
+    a float64 query's dtype, its gradient reaching the float32 parameter."""
+    module = torch.nn.Module().eval()
+    q, k, v = qkv()
+    sink = torch.tensor([-1.0, 0.0, 1.0, 2.0])
+    ref = hf.attention_forward(module, q, k, v, None, s_aux=sink)[0]
+    for column in (sink[None, :, None, None], sink[None, :, None, None].expand(2, -1, -1, -1)):
+        torch.testing.assert_close(
+            hf.attention_forward(module, q, k, v, None, sinks=column)[0], ref
+        )
+    assert (ref - hf.attention_forward(module, q, k, v, None)[0]).abs().max() > 1e-2
+    with pytest.raises(TypeError, match=r"`sinks` of shape \(2, 4, 5, 1\).*per query"):
+        hf.attention_forward(module, q, k, v, None, sinks=torch.zeros(2, 4, 5, 1))
+    with pytest.raises(TypeError, match="both `s_aux` and `sinks`"):
+        hf.attention_forward(module, q, k, v, None, s_aux=sink, sinks=sink)
+
+    half = hf.attention_forward(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, s_aux=sink)[
+        0
+    ]
+    assert half.dtype == torch.bfloat16
+    rtol, atol = tolerance(torch.bfloat16)
+    torch.testing.assert_close(half.float(), ref, rtol=rtol, atol=atol)
+    param = sink.clone().requires_grad_()
+    wide = hf.attention_forward(module, q.double(), k.double(), v.double(), None, s_aux=param)[0]
+    assert wide.dtype == torch.float64
+    assert_within_table(wide.float(), ref)
+    wide.sum().backward()
+    assert param.grad is not None
+    assert param.grad.dtype == torch.float32

@@ -40,10 +40,15 @@ How transformers' arguments map (see ``docs/transformers.md``):
 * ``output_attentions`` (the keyword, else ``module.config.output_attentions``) ->
   ``return_weights=True``; the weights are returned as the second value (before dropout,
   and 0 on query rows with no key where eager has a uniform row). Otherwise None.
-* ``s_aux``/``sinks`` (attention sinks) and any other keyword that could change the
-  result: ``TypeError``. Keywords that only other kernels read (flash-attention's
-  ``cu_seq_lens_*``/``max_length_*``, whose packing the mask already holds;
-  ``position_ids``, ``use_cache``, ...) are ignored, as transformers' sdpa does.
+* ``s_aux`` (gpt-oss and the other models with a learned sink per head: a ``[Hq]``
+  parameter) or ``sinks`` -> ``sinks=``: one extra logit per query head in the softmax's
+  denominator, as eager's extra key column that is dropped after the softmax. A sink in
+  that column layout ``[B|1, Hq|1, 1, 1]`` is squeezed to ``[B|1, Hq|1]``; a sink per
+  query (``[B, Hq, Lq, 1]``, Inkling 2) is a ``TypeError``. Gradients reach the parameter.
+* Any other keyword that could change the result: ``TypeError``. Keywords that only other
+  kernels read (flash-attention's ``cu_seq_lens_*``/``max_length_*``, whose packing the
+  mask already holds; ``position_ids``, ``use_cache``, ...) are ignored, as transformers'
+  sdpa does.
 """
 
 from __future__ import annotations
@@ -84,10 +89,11 @@ IGNORED_KWARGS = frozenset(
 
 #: Keywords that change attention in a way ``attend`` does not implement.
 UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks (an extra per-head logit in the softmax)",
-    "sinks": "attention sinks (an extra per-head logit in the softmax)",
     "block_indices": "sparse block selection",
 }
+
+#: Query dtypes beside which a float32 sink stays float32 (``attend`` computes in float32).
+_HALF = frozenset({torch.float16, torch.bfloat16})
 
 
 def attention_forward(
@@ -103,6 +109,8 @@ def attention_forward(
     is_causal: bool | None = None,
     position_bias: torch.Tensor | None = None,
     output_attentions: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A transformers attention function that runs :func:`~portable_attention.attend`.
@@ -135,6 +143,11 @@ def attention_forward(
         Additive score bias (T5-style relative positions), added to ``bias=``.
     output_attentions : bool, optional
         Return the attention weights; default ``module.config.output_attentions``.
+    s_aux, sinks : torch.Tensor, optional
+        Attention sinks (one of the two names): one logit per query head added to the
+        softmax's denominator, ``[Hq]`` (gpt-oss's ``module.sinks``) or broadcastable to
+        ``[B, Hq]``; transformers' key-column layout ``[B|1, Hq|1, 1, 1]`` is accepted
+        too. Cast to the query's dtype unless it is float32 for a half-precision query.
     **kwargs
         Flash-attention metadata and bookkeeping keywords are ignored (see
         :data:`IGNORED_KWARGS`); anything else is a ``TypeError``.
@@ -148,12 +161,14 @@ def attention_forward(
     Raises
     ------
     TypeError
-        A keyword that changes the result but is not supported (attention sinks, ...), or
-        an attention mask that is neither boolean nor floating.
+        A keyword that changes the result but is not supported (sparse block selection,
+        ...), both ``s_aux`` and ``sinks``, sinks per query, or an attention mask that is
+        neither boolean nor floating.
     ValueError
         A bidirectional ``sliding_window`` without a mask where it would cut keys.
     """
     _check_kwargs(kwargs)
+    sink = _sinks(s_aux, sinks, query)
     lq, lk = query.shape[-2], key.shape[-2]
     mask = bias = None
     causal: bool | str = False
@@ -193,6 +208,7 @@ def attention_forward(
         scale=None if scaling is None else float(scaling),
         softcap=None if softcap is None else float(softcap),
         dropout=p,
+        sinks=sink,
         return_weights=bool(output_attentions),
     )
     out, weights = result if output_attentions else (result, None)
@@ -208,6 +224,27 @@ def _window(sliding_window: int, causal: bool, lq: int, lk: int) -> tuple[int, i
     if max(lq, lk) <= sliding_window:
         return None  # no key is farther than the window on either side
     raise _bidirectional_window_error(sliding_window, lq, lk)
+
+
+def _sinks(
+    s_aux: torch.Tensor | None, sinks: torch.Tensor | None, query: torch.Tensor
+) -> torch.Tensor | None:
+    """``sinks=`` for ``attend`` from transformers' ``s_aux`` or ``sinks`` (None: none)."""
+    if s_aux is not None and sinks is not None:
+        raise _two_sinks_error()
+    name, sink = ("s_aux", s_aux) if s_aux is not None else ("sinks", sinks)
+    if sink is None or not isinstance(sink, torch.Tensor):
+        return sink  # None; anything else is attend's to refuse, by the name `sinks`
+    if sink.ndim == query.ndim and sink.ndim >= 2:
+        # transformers' eager layout: an extra key column [B|1, Hq|1, Lq|1, 1]
+        if sink.shape[-1] != 1 or sink.shape[-2] != 1:
+            raise _per_query_sinks_error(name, tuple(sink.shape), tuple(query.shape))
+        sink = sink[..., 0, 0]
+    # attend takes the query's dtype, or float32 (its compute dtype) for half precision
+    kept = sink.dtype == query.dtype or (sink.dtype == torch.float32 and query.dtype in _HALF)
+    if sink.is_floating_point() and not kept:
+        sink = sink.to(query.dtype)  # differentiable: the gradient reaches the parameter
+    return sink
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:
@@ -239,7 +276,9 @@ def register(name: str = "portable") -> str:
     Raises
     ------
     ValueError
-        An empty ``name`` or one of transformers' own implementations.
+        An empty ``name``, one of transformers' own implementations, or a name that
+        transformers would take for one of its kernels (containing ``"sdpa"``,
+        ``"flash"``, ``"flex_attention"``, ``"paged|"`` or ``"/"``).
     ImportError
         transformers is not installed.
 
@@ -287,12 +326,25 @@ def _transformers_missing_error() -> ImportError:
     return ImportError(msg)
 
 
+#: Parts of a name that make transformers treat it as one of its own kernels: it runs that
+#: kernel's support checks on any name containing them (so a model with
+#: ``_supports_sdpa = False``, as gpt-oss, refuses a name containing "sdpa").
+_TRANSFORMERS_NAME_PARTS = ("flash", "sdpa", "flex_attention", "paged|", "/")
+
+
 def _check_attn_implementation(name: object) -> None:
     """``name`` of ``register``: a new, non-empty string, none of transformers' own."""
-    if not isinstance(name, str) or not name or name in _TRANSFORMERS_BUILTIN or "flash" in name:
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in _TRANSFORMERS_BUILTIN
+        or any(part in name for part in _TRANSFORMERS_NAME_PARTS)
+    ):
         msg = (
             f"`name` must be a new, non-empty attn_implementation string such as 'portable', "
-            f"got {name!r} (transformers' own implementations cannot be replaced)."
+            f"got {name!r} (transformers' own implementations cannot be replaced, and names "
+            f"containing any of {', '.join(map(repr, _TRANSFORMERS_NAME_PARTS))} are "
+            "dispatched and checked as transformers' own kernels)."
         )
         raise ValueError(msg)
 
@@ -323,6 +375,29 @@ def _bidirectional_window_error(sliding_window: int, lq: int, lk: int) -> ValueE
         "does) or use attn_implementation='eager'."
     )
     return ValueError(msg)
+
+
+def _two_sinks_error() -> TypeError:
+    """The error for attention sinks given as both ``s_aux`` and ``sinks``."""
+    msg = (
+        "portable_attention's transformers integration got both `s_aux` and `sinks` "
+        "(attention sinks under two names); pass one of them."
+    )
+    return TypeError(msg)
+
+
+def _per_query_sinks_error(
+    name: str, shape: tuple[int, ...], query_shape: tuple[int, ...]
+) -> TypeError:
+    """The error for sinks that differ per query position (an extra key column
+    ``[B, Hq, Lq, 1]`` with ``Lq > 1``), which ``attend``'s one logit per head cannot hold."""
+    msg = (
+        f"portable_attention's transformers integration got `{name}` of shape {shape} for "
+        f"a query of shape {query_shape}: a sink logit per query position, which is not "
+        "supported (`attend` takes one sink per head, broadcastable to [B, Hq], or the "
+        "column layout [B|1, Hq|1, 1, 1]); use attn_implementation='eager' for this model."
+    )
+    return TypeError(msg)
 
 
 def _unsupported_kwarg_error(name: str, what: str | None) -> TypeError:
