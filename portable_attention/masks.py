@@ -7,6 +7,7 @@ array-API namespace or framework module: ``torch``, ``jax.numpy``, ``cupy`` ...)
 
 from __future__ import annotations
 
+import math
 from functools import reduce
 from typing import Any
 
@@ -21,6 +22,8 @@ __all__ = [
     "combine",
     "key_padding_mask",
     "padding_mask_from_tokens",
+    "segment_ids_from_cu_seqlens",
+    "segment_ids_from_lengths",
     "segment_mask",
     "window_mask",
 ]
@@ -164,6 +167,127 @@ def segment_mask(q_segments: Any, k_segments: Any = None) -> Any:
     return qcol == krow
 
 
+def segment_ids_from_lengths(lengths: Any, total: int | None = None) -> Any:
+    """Segment ids ``[*batch, total]`` of packed sequences, from their lengths.
+
+    Position ``p`` of a row gets the index (``0 .. n - 1``) of the segment it falls in,
+    the segments lying one after another from position 0 in the order of ``lengths``.
+    The result is ready for ``attend(..., segment_ids=...)``.
+
+    Parameters
+    ----------
+    lengths : integer array ``[*batch, n]``
+        The length (>= 0) of each of the ``n`` segments of each row. A segment of length
+        0 takes no position (its index appears nowhere).
+    total : int, optional
+        The number of positions of every row. Default: the longest row's sum of lengths
+        (the sum for 1-D ``lengths``), read on the host; required where ``lengths`` is
+        traced (under ``jax.jit``), where the result's shape must be static.
+
+    Returns
+    -------
+    array ``[*batch, total]`` of the default integer dtype
+        In the namespace and on the device of ``lengths``. Positions past a row's sum of
+        lengths get id ``-1`` (padding). Padding positions attend each other only, as one
+        more segment would: mask those query rows out of the loss, or drop them.
+
+    Raises
+    ------
+    TypeError
+        ``lengths`` is not an integer array.
+    ValueError
+        ``lengths`` is 0-d or holds a negative length, or ``total`` is not an int >= 0 or
+        is smaller than a row's sum of lengths. The checks that read values (negative
+        lengths, a too small ``total``) run where ``lengths`` is concrete (NumPy, PyTorch,
+        CuPy, JAX outside a trace); under ``jax.jit`` or ``torch.compile`` they are
+        skipped and such lengths give meaningless ids (a too small ``total`` cuts the
+        segments off at ``total``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attention import masks
+    >>> masks.segment_ids_from_lengths(np.array([2, 0, 3])).tolist()
+    [0, 0, 2, 2, 2]
+    >>> masks.segment_ids_from_lengths(np.array([[1, 2], [3, 1]])).tolist()
+    [[0, 1, 1, -1], [0, 0, 0, 1]]
+    """
+    xp = _check_mask_array("lengths", lengths, integer=True)
+    _check_ndim("lengths", lengths, 1, "[*batch, n]")
+    total = _check_segment_lengths(xp, lengths, total)
+    shape = tuple(lengths.shape)
+    batch, n = shape[:-1], shape[-1]
+    rows = math.prod(batch)
+    device = array_api_compat.device(lengths)
+    positions = xp.arange(total, device=device)  # the default integer dtype: no wrapping
+    ends = xp.cumulative_sum(xp.astype(lengths, positions.dtype), axis=-1)
+    ends = xp.reshape(xp.clip(ends, max=total), (rows, n))  # each row's ends, in [0, total]
+    # One sorted 1-D array for every row: row r's ends and positions shifted by r * total.
+    # Position p of row r then counts all ends of the rows before r (r * n of them) and
+    # its own row's ends <= p: the index of its segment.
+    row = xp.reshape(xp.arange(rows, device=device), (rows, 1))
+    flat_ends = xp.reshape(ends + row * total, (rows * n,))
+    flat_positions = xp.reshape(xp.reshape(positions, (1, total)) + row * total, (rows * total,))
+    found = xp.astype(xp.searchsorted(flat_ends, flat_positions, side="right"), positions.dtype)
+    ids = xp.reshape(found, (rows, total)) - row * n
+    ids = xp.where(ids < n, ids, xp.full_like(ids, -1))
+    return xp.reshape(ids, (*batch, total))
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: Any, total: int | None = None) -> Any:
+    """Segment ids ``[total]`` from FlashAttention's varlen ``cu_seqlens``.
+
+    For users of ``flash_attn_varlen_func``: segment ``s`` holds the positions
+    ``cu_seqlens[s] <= p < cu_seqlens[s + 1]``. Queries and keys have their own
+    ``cu_seqlens``; pass ``segment_ids=(segment_ids_from_cu_seqlens(cu_seqlens_q),
+    segment_ids_from_cu_seqlens(cu_seqlens_k))`` to ``attend`` (the packed tokens
+    ``[total, H, D]`` laid out as ``[H, total, D]``).
+
+    Parameters
+    ----------
+    cu_seqlens : integer array ``[n + 1]``
+        The cumulative sequence lengths: starts at 0, non-decreasing (int32 in
+        FlashAttention; any integer dtype here).
+    total : int, optional
+        The number of positions. Default ``cu_seqlens[-1]``, read on the host; required
+        where ``cu_seqlens`` is traced (under ``jax.jit``).
+
+    Returns
+    -------
+    array ``[total]`` of the default integer dtype
+        In the namespace and on the device of ``cu_seqlens``. Positions from
+        ``cu_seqlens[-1]`` on get id ``-1`` (padding; they attend each other only: mask
+        or drop them).
+
+    Raises
+    ------
+    TypeError
+        ``cu_seqlens`` is not an integer array.
+    ValueError
+        ``cu_seqlens`` is not 1-D with at least one entry, does not start at 0 or
+        decreases, or ``total`` is not an int >= 0 or is smaller than ``cu_seqlens[-1]``.
+        The checks that read values run where ``cu_seqlens`` is concrete, as in
+        :func:`segment_ids_from_lengths`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from portable_attention import masks
+    >>> masks.segment_ids_from_cu_seqlens(np.array([0, 2, 2, 5], dtype=np.int32)).tolist()
+    [0, 0, 2, 2, 2]
+    >>> masks.segment_ids_from_cu_seqlens(np.array([0, 1, 3], dtype=np.int32), 5).tolist()
+    [0, 1, 1, -1, -1]
+    """
+    xp = _check_mask_array("cu_seqlens", cu_seqlens, integer=True)
+    total = _check_cu_seqlens(xp, cu_seqlens, total)
+    n = shape_of(cu_seqlens)[0] - 1
+    positions = xp.arange(total, device=array_api_compat.device(cu_seqlens))
+    ends = xp.clip(xp.astype(cu_seqlens[1:], positions.dtype), max=total)
+    ids = xp.searchsorted(ends, positions, side="right")  # the segments ending at or before p
+    ids = xp.astype(ids, positions.dtype)  # JAX's searchsorted gives int32
+    return xp.where(ids < n, ids, xp.full_like(ids, -1))
+
+
 def combine(*masks: Any) -> Any:
     """Logical and of boolean masks with broadcasting; ``None`` entries are skipped.
 
@@ -254,3 +378,78 @@ def _check_lengths_shape(shape: tuple[int, ...]) -> None:
     if len(shape) != 1:
         msg = f"`lengths` must have shape [B], got {shape}."
         raise ValueError(msg)
+
+
+def _is_traced(x: Any) -> bool:
+    """Whether ``x``'s values cannot be read on the host: a JAX tracer (under
+    ``jax.jit``, ``vmap``, ``grad``), or a tensor while ``torch.compile`` traces."""
+    if array_api_compat.is_jax_array(x):
+        import jax  # loaded already: x is a JAX array
+
+        return isinstance(x, jax.core.Tracer)
+    if array_api_compat.is_torch_array(x):
+        import torch  # loaded already: x is a tensor
+
+        return bool(torch.compiler.is_compiling())
+    return False
+
+
+def _check_total(total: object, need: int | None, name: str, what: str) -> int:
+    """``total`` of the segment-id builders: an int >= 0, at least ``need`` positions (when
+    known; None where the array ``name`` is traced); ``None`` means ``need``."""
+    if total is None:
+        if need is None:
+            msg = (
+                f"`total` is required when `{name}` is traced (under jax.jit or "
+                "torch.compile): the ids' length must be static; pass `total=` (the number "
+                "of positions)."
+            )
+            raise ValueError(msg)
+        return need
+    checked = _check_length("total", total)
+    if need is not None and checked < need:
+        msg = f"`total` ({checked}) is smaller than {what} ({need} positions)."
+        raise ValueError(msg)
+    return checked
+
+
+def _check_segment_lengths(xp: Any, lengths: Any, total: object) -> int:
+    """``lengths`` of :func:`segment_ids_from_lengths`: no negative length (where the values
+    can be read); return ``total``, checked against the longest row."""
+    need = None
+    if not _is_traced(lengths):
+        if math.prod(tuple(lengths.shape)) == 0:
+            need = 0
+        else:
+            smallest = int(xp.min(lengths))
+            if smallest < 0:
+                msg = f"`lengths` must be >= 0 (segment lengths), got a length {smallest}."
+                raise ValueError(msg)
+            need = int(xp.max(xp.sum(xp.astype(lengths, xp.arange(1).dtype), axis=-1)))
+    return _check_total(total, need, "lengths", "the longest row of `lengths`")
+
+
+def _check_cu_seqlens(xp: Any, cu_seqlens: Any, total: object) -> int:
+    """``cu_seqlens`` of :func:`segment_ids_from_cu_seqlens`: ``[n + 1]``, from 0,
+    non-decreasing (where the values can be read); return ``total``, checked."""
+    shape = tuple(cu_seqlens.shape)
+    if len(shape) != 1 or shape[0] < 1:
+        msg = f"`cu_seqlens` must have shape [n + 1] (1-D, starting with 0), got {shape}."
+        raise ValueError(msg)
+    need = None
+    if not _is_traced(cu_seqlens):
+        first = int(cu_seqlens[0])
+        if first != 0:
+            msg = f"`cu_seqlens` must start at 0 (cumulative lengths), got {first} first."
+            raise ValueError(msg)
+        steps = cu_seqlens[1:] - cu_seqlens[:-1]
+        if shape[0] > 1 and bool(xp.any(steps < 0)):
+            at = int(xp.argmax(xp.astype(steps < 0, xp.int8)))
+            before, after = int(cu_seqlens[at]), int(cu_seqlens[at + 1])
+            msg = (
+                f"`cu_seqlens` must be non-decreasing (cumulative lengths), got {before} "
+                f"then {after} at index {at + 1}."
+            )
+            raise ValueError(msg)
+        need = int(cu_seqlens[-1])
+    return _check_total(total, need, "cu_seqlens", "`cu_seqlens[-1]`")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from portable_attention import masks
 
-from conftest import Backend
+from conftest import Backend, requires_backend
 
 T, F = True, False
 
@@ -268,3 +268,140 @@ def test_lengths_take_numpy_integers() -> None:
     )
     with pytest.raises(ValueError, match="`lq` must be an int >= 0"):
         masks.causal_mask(np.float64(3.0))
+
+
+# ------------------------------------------------------------------------------------------
+# segment_ids_from_lengths / segment_ids_from_cu_seqlens
+
+
+def check_ids(backend: Backend, result: Any, expected: list | np.ndarray) -> None:
+    """Integer ids of the backend's framework, namespace and device, default integer dtype."""
+    expected = np.asarray(expected, dtype=np.int64)
+    sample = backend.asarray(np.zeros(1))
+    assert type(result) is type(sample), type(result)
+    assert array_api_compat.array_namespace(result) is backend.xp
+    assert result.dtype == backend.xp.arange(1).dtype, result.dtype
+    assert tuple(result.shape) == expected.shape, tuple(result.shape)
+    assert array_api_compat.device(result) == backend.device
+    np.testing.assert_array_equal(backend.to_numpy(result), expected)
+
+
+LENGTHS_EXPECTED = {
+    # id: (lengths, total, expected ids)
+    "one-row": ([2, 0, 3], None, [0, 0, 2, 2, 2]),
+    "length-one": ([1, 1, 1], None, [0, 1, 2]),
+    "padding": ([1, 2], 5, [0, 1, 1, -1, -1]),
+    "leading-empty": ([0, 0, 2], 3, [2, 2, -1]),
+    "all-empty": ([0, 0], None, []),
+    "no-segments": (np.zeros(0, dtype=int), 2, [-1, -1]),
+    "batched": (
+        [[1, 2, 0, 1], [3, 0, 0, 0], [0, 0, 0, 0]],
+        None,  # the longest row: 4
+        [[0, 1, 1, 3], [0, 0, 0, -1], [-1, -1, -1, -1]],
+    ),
+    "batched-total": ([[2, 1], [1, 1]], 4, [[0, 0, 1, -1], [0, 1, -1, -1]]),
+    "batch-dims": (
+        [[[1, 1], [2, 0]], [[0, 2], [1, 0]]],
+        None,
+        [[[0, 1], [0, 0]], [[1, 1], [0, -1]]],
+    ),
+    "no-rows": (np.zeros((0, 3), dtype=int), 2, np.zeros((0, 2), dtype=int)),
+}
+
+
+@pytest.mark.parametrize("case", list(LENGTHS_EXPECTED))
+def test_segment_ids_from_lengths(backend: Backend, case: str) -> None:
+    lengths, total, expected = LENGTHS_EXPECTED[case]
+    result = masks.segment_ids_from_lengths(backend.asarray(np.asarray(lengths), "int32"), total)
+    check_ids(backend, result, expected)
+
+
+@pytest.mark.parametrize("case", [c for c in LENGTHS_EXPECTED if c != "no-rows"])
+def test_segment_ids_from_cu_seqlens_agree_with_lengths(backend: Backend, case: str) -> None:
+    """``cu_seqlens = [0, cumsum(lengths)]`` gives the ids of ``lengths`` (each row)."""
+    lengths, total, _ = LENGTHS_EXPECTED[case]
+    want = masks.segment_ids_from_lengths(np.asarray(lengths), total)
+    lengths = np.asarray(lengths)
+    rows = int(np.prod(lengths.shape[:-1]))  # one row per batch row
+    lengths, want = lengths.reshape(rows, lengths.shape[-1]), want.reshape(rows, want.shape[-1])
+    for row, ids in zip(lengths, want, strict=True):
+        cu = backend.asarray(np.concatenate([[0], np.cumsum(row)]), "int32")
+        check_ids(backend, masks.segment_ids_from_cu_seqlens(cu, want.shape[-1]), ids)
+        if total is None and want.shape[0] == 1:  # the default total: cu_seqlens[-1]
+            check_ids(backend, masks.segment_ids_from_cu_seqlens(cu), ids)
+
+
+def test_segment_ids_from_cu_seqlens(backend: Backend) -> None:
+    cu = backend.asarray(np.array([0, 2, 2, 5, 6]), "int32")
+    check_ids(backend, masks.segment_ids_from_cu_seqlens(cu), [0, 0, 2, 2, 2, 3])
+    check_ids(backend, masks.segment_ids_from_cu_seqlens(cu, 8), [0, 0, 2, 2, 2, 3, -1, -1])
+    only_zero = backend.asarray(np.array([0]), "int32")
+    check_ids(backend, masks.segment_ids_from_cu_seqlens(only_zero), [])
+    check_ids(backend, masks.segment_ids_from_cu_seqlens(only_zero, 2), [-1, -1])
+
+
+def test_segment_ids_from_lengths_in_attention() -> None:
+    """The ids of both helpers drive the oracle's segment ids as the block mask would."""
+    import oracle
+
+    q_ids = masks.segment_ids_from_cu_seqlens(np.array([0, 2, 5], dtype=np.int32), 6)
+    kv_ids = masks.segment_ids_from_lengths(np.array([3, 1]), 6)
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 6, 3)), rng.standard_normal((2, 6, 3)), np.eye(6)[None]
+    got = oracle.attention(q, k, np.repeat(v, 2, 0), segment_ids=(q_ids, kv_ids))
+    mask = masks.segment_mask(q_ids[None], kv_ids[None])[0]
+    want = oracle.attention(q, k, np.repeat(v, 2, 0), mask=mask)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-14)
+    assert (got[1][:, :2, 3:] == 0).all() and (got[1][:, 5, :4] == 0).all()  # padding: -1
+
+
+@requires_backend("jax")
+def test_segment_ids_under_jax_jit() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    lengths, _, expected = LENGTHS_EXPECTED["batched"]
+    from_lengths = jax.jit(masks.segment_ids_from_lengths, static_argnames="total")
+    result = from_lengths(jnp.asarray(lengths, dtype=jnp.int32), total=4)
+    np.testing.assert_array_equal(np.asarray(result), expected)
+    from_cu = jax.jit(masks.segment_ids_from_cu_seqlens, static_argnames="total")
+    result = from_cu(jnp.asarray([0, 2, 2, 5], dtype=jnp.int32), total=6)
+    np.testing.assert_array_equal(np.asarray(result), [0, 0, 2, 2, 2, -1])
+    with pytest.raises(ValueError, match=r"`total` is required when `lengths` is traced"):
+        jax.jit(masks.segment_ids_from_lengths)(jnp.asarray(lengths))
+    with pytest.raises(ValueError, match=r"`total` is required when `cu_seqlens` is traced"):
+        jax.jit(masks.segment_ids_from_cu_seqlens)(jnp.asarray([0, 2]))
+    # concrete JAX arrays outside a trace are checked like any other
+    with pytest.raises(ValueError, match="`lengths` must be >= 0"):
+        masks.segment_ids_from_lengths(jnp.asarray([2, -1]))
+
+
+def test_segment_ids_from_lengths_errors(backend: Backend) -> None:
+    with pytest.raises(TypeError, match=r"`lengths` must be an integer array.*float"):
+        masks.segment_ids_from_lengths(backend.asarray(np.array([1.0, 2.0])))
+    with pytest.raises(ValueError, match=r"`lengths` must have shape \[\*batch, n\]"):
+        masks.segment_ids_from_lengths(backend.asarray(np.array(3)))
+    with pytest.raises(ValueError, match=r"`lengths` must be >= 0.*-2"):
+        masks.segment_ids_from_lengths(backend.asarray(np.array([[1, 2], [3, -2]])))
+    lengths = backend.asarray(np.array([[1, 2], [3, 2]]))
+    with pytest.raises(ValueError, match=r"`total` \(4\) is smaller than the longest row"):
+        masks.segment_ids_from_lengths(lengths, 4)
+    for total in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="`total` must be an int >= 0"):
+            masks.segment_ids_from_lengths(lengths, total)  # type: ignore[arg-type]
+
+
+def test_segment_ids_from_cu_seqlens_errors(backend: Backend) -> None:
+    with pytest.raises(TypeError, match="`cu_seqlens` must be an integer array"):
+        masks.segment_ids_from_cu_seqlens(backend.asarray(np.array([0.0, 2.0])))
+    for bad in (np.zeros((2, 3), dtype=int), np.zeros(0, dtype=int), np.array(0)):
+        with pytest.raises(ValueError, match=r"`cu_seqlens` must have shape \[n \+ 1\]"):
+            masks.segment_ids_from_cu_seqlens(backend.asarray(bad))
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must start at 0.*got 1"):
+        masks.segment_ids_from_cu_seqlens(backend.asarray(np.array([1, 3])))
+    with pytest.raises(ValueError, match=r"non-decreasing.*got 4 then 3 at index 2"):
+        masks.segment_ids_from_cu_seqlens(backend.asarray(np.array([0, 4, 3, 5])))
+    with pytest.raises(ValueError, match=r"`total` \(4\) is smaller than `cu_seqlens\[-1\]`"):
+        masks.segment_ids_from_cu_seqlens(backend.asarray(np.array([0, 2, 5])), 4)
+    with pytest.raises(TypeError, match="`cu_seqlens`"):
+        masks.segment_ids_from_cu_seqlens([0, 2, 5])
