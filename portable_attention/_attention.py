@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from portable_attention import _blockwise, _core, _memo
+from portable_attention import _blockwise, _core, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._plan import BLOCKWISE_PATHS, Plan, choose
 from portable_attention._spec import Call, check_implementation, validate_call
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Prepared
 
-#: Runs a validated call: ``run(q, k, v, mask, bias, rng) -> attend's result``.
-Runner = Callable[[Any, Any, Any, Any, Any, Any], Any]
+#: Runs a validated call: ``run(q, k, v, mask, bias, rng, mods=None, sinks=None) ->
+#: attend's result``.
+Runner = Callable[..., Any]
 
 
 def attend(
@@ -33,6 +34,10 @@ def attend(
     return_lse: bool = False,
     chunk_size: int | None = None,
     implementation: str = "auto",
+    sinks: Any = None,
+    segment_ids: Any = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Scaled dot-product attention on any array-API framework's arrays.
 
@@ -84,13 +89,35 @@ def attend(
         ``"auto"`` takes the framework's fused kernel where its result matches this
         contract, else the portable path; ``"portable"`` never takes a fused kernel;
         ``"fused"`` raises where none applies. See :func:`plan`.
+    sinks : float array, optional
+        Attention sinks (gpt-oss): one logit per query head, broadcastable to
+        ``[..., Hq]``, added to every row's softmax denominator. The weights exclude it
+        (rows sum to less than 1); ``lse`` includes it; a row with no key gives out 0 and
+        lse = the sink. Differentiable on every path.
+    segment_ids : int array ``[..., L]`` or a pair ``(q_ids [..., Lq], kv_ids [..., Lk])``
+        Packed sequences: a query attends only the keys of its own segment (a contiguous
+        run of equal ids; leading dims broadcast to q's batch dims, shared by the heads).
+        ``causal`` and ``window`` then align within each segment (lower-right, as
+        ``flash_attn_varlen_func``). No dense mask is built: each block's mask comes from
+        the ids, and eager backends skip blocks with no matching pair.
+    score_mod : callable, optional
+        FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
+        the scores after ``softcap`` and ``bias``, block by block, on int32 index arrays
+        that broadcast against ``[..., Hq, rows, cols]``: ``b [B, 1, 1, 1]``, ``h [Hq, 1,
+        1]``, ``q_idx [rows, 1]``, ``kv_idx [1, cols]``. Gradients reach the arrays it
+        captures (torch and JAX autodiff).
+    mask_mod : callable or masks.BlockPlan, optional
+        FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend),
+        ANDed with every other mask; a :func:`masks.block_plan` of it also records the
+        blocks it masks entirely, which the blockwise path then skips (under jit too).
 
     Returns
     -------
     out, or a tuple ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``.
         ``out [..., Hq, Lq, Dv]`` and ``weights`` in the input dtype; ``lse`` in the
         compute dtype (float32 for float16/bfloat16 inputs). Query rows with no key to
-        attend give ``out = 0``, ``weights = 0``, ``lse = -inf`` and zero gradients.
+        attend give ``out = 0``, ``weights = 0``, ``lse = -inf`` (the sink with
+        ``sinks``) and zero gradients.
 
     Raises
     ------
@@ -113,6 +140,15 @@ def attend(
         return_lse,
         implementation,
     )
+    if (
+        sinks is not None
+        or segment_ids is not None
+        or score_mod is not None
+        or mask_mod is not None
+    ):
+        return _attend_modded(
+            q, k, v, mask, bias, rng, options, sinks, segment_ids, score_mod, mask_mod
+        )
     # A repeated call (same types, shapes, dtypes, devices and options; never data)
     # skips validation and planning: see portable_attention._memo.
     key = _memo.key(q, k, v, mask, bias, options)
@@ -146,6 +182,50 @@ def attend(
     return known[1](q, k, v, mask, bias, rng)
 
 
+def _attend_modded(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    rng: Any,
+    options: tuple[Any, ...],
+    sinks: Any,
+    segment_ids: Any,
+    score_mod: Any,
+    mask_mod: Any,
+) -> Any:
+    """A call with sinks, segment ids or mods: validated and planned each time (their
+    arrays and functions are not memo keys), then run as any other call."""
+    causal, window, scale, softcap, dropout, _, chunk_size, weights, lse, implementation = options
+    call = validate_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        dropout=dropout,
+        rng=rng,
+        chunk_size=chunk_size,
+        return_weights=weights,
+        return_lse=lse,
+        sinks=sinks,
+        segment_ids=segment_ids,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+    )
+    path = choose(call, check_implementation(implementation)).path
+    run, prepared = _runner(call, path)
+    assert run is not None and prepared is None  # fused kernels decline these calls
+    return run(
+        q, k, v, mask, bias, rng, _mods.prepare(call, segment_ids, score_mod, mask_mod), sinks
+    )
+
+
 def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
     """The function that runs ``call`` on ``path``, built once per memo entry: a fused
     kernel of ``(q, k, v)`` alone where the adapter can bind everything else (one Python
@@ -164,7 +244,7 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
-            return _pack(call, *fused.run(call, q, k, v, mask, bias, None))
+            return _pack(call, *fused.run(call, q, k, v, mask, bias, None, None))
 
         return run_fused, None
 
@@ -172,28 +252,58 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
         native = backend.native
         assert native is not None
 
-        def run_native(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+        def run_native(
+            q: Any,
+            k: Any,
+            v: Any,
+            mask: Any,
+            bias: Any,
+            rng: Any,
+            mods: Any = None,
+            sinks: Any = None,
+        ) -> Any:
             keep = _keep_mask(call, rng)
-            return _pack(call, *native.run(call, q, k, v, mask, bias, keep))
+            return _pack(
+                call, *_with_sinks(call, sinks, *native.run(call, q, k, v, mask, bias, keep, mods))
+            )
 
         return run_native, None
 
     if path in BLOCKWISE_PATHS:
 
-        def run_blockwise(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+        def run_blockwise(
+            q: Any,
+            k: Any,
+            v: Any,
+            mask: Any,
+            bias: Any,
+            rng: Any,
+            mods: Any = None,
+            sinks: Any = None,
+        ) -> Any:
             keep = _block_keep(call, rng)
-            out, lse = backend.blockwise(call, q, k, v, mask, bias, keep)
-            return _pack(call, out, None, lse)
+            out, lse = backend.blockwise(call, q, k, v, mask, bias, keep, mods)
+            return _pack(call, *_with_sinks(call, sinks, out, None, lse))
 
         return run_blockwise, None
 
     scores = backend.scores(call.xp)
 
-    def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+    def run(
+        q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any, mods: Any = None, sinks: Any = None
+    ) -> Any:
         keep = _keep_mask(call, rng)
-        return _pack(call, *_core.dense(call, q, k, v, mask, bias, keep, scores=scores))
+        result = _core.dense(call, q, k, v, mask, bias, keep, scores=scores, mods=mods)
+        return _pack(call, *_with_sinks(call, sinks, *result))
 
     return run, None
+
+
+def _with_sinks(call: Call, sinks: Any, out: Any, weights: Any, lse: Any) -> tuple[Any, Any, Any]:
+    """A kernel's result with the sinks merged in (unchanged without sinks)."""
+    if sinks is None:
+        return out, weights, lse
+    return _mods.add_sinks(call, sinks, out, weights, lse)
 
 
 def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:
@@ -235,7 +345,7 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
     kernel applies.
     """
     implementation = check_implementation(kwargs.pop("implementation", "auto"))
-    call = validate_call(q, k, v, **kwargs)
+    call = validate_call(q, k, v, **kwargs)  # sinks, segment_ids and the mods too
     _keep_mask(call, kwargs.get("rng"))
     return choose(call, implementation)
 
@@ -258,6 +368,10 @@ def attend_backward(
     rng: Any = None,
     chunk_size: int | None = None,
     dlse: Any = None,
+    sinks: Any = None,
+    segment_ids: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Grads:
     """Gradients of a loss through :func:`attend`, from its ``out`` and ``lse`` alone.
 
@@ -289,12 +403,20 @@ def attend_backward(
         Without dropout, ``chunk_size`` only sets the block length.
     dlse : array ``[..., Hq, Lq]``, optional
         The loss's gradient with respect to ``lse``, where the loss uses it.
+    sinks, segment_ids, mask_mod
+        As :func:`attend` takes them (``out`` and ``lse`` from that call: its ``lse``
+        includes the sinks). Blocks that segment ids or ``mask_mod`` mask entirely are
+        skipped.
+    score_mod
+        Not supported: its derivative needs autodiff. Differentiate ``attend`` with
+        torch or JAX instead; a ``score_mod`` here raises ``ValueError``.
 
     Returns
     -------
     Grads
-        ``(dq, dk, dv, dbias)``: shaped and typed as ``q``, ``k``, ``v`` and ``bias``
-        (``dbias`` summed over the axes the bias broadcasts along; None without a bias).
+        ``(dq, dk, dv, dbias, dsinks)``: shaped and typed as ``q``, ``k``, ``v``,
+        ``bias`` and ``sinks`` (``dbias`` summed over the axes the bias broadcasts along;
+        None without a bias; ``dsinks`` None without sinks).
 
     Raises
     ------
@@ -302,6 +424,8 @@ def attend_backward(
         As :func:`attend` for the inputs and options; for ``dout``, ``out``, ``lse`` or
         ``dlse`` of another framework, device, shape or dtype.
     """
+    if score_mod is not None:
+        raise _mods.backward_score_mod_error()
     call = validate_call(
         q,
         k,
@@ -316,9 +440,13 @@ def attend_backward(
         rng=rng,
         chunk_size=chunk_size,
         return_lse=True,
+        sinks=sinks,
+        segment_ids=segment_ids,
+        mask_mod=mask_mod,
     )
     _blockwise.check_backward_arrays(call, q, dout=dout, out=out, lse=lse, dlse=dlse)
     keep = _block_keep(call, rng)
+    mods = _mods.prepare(call, segment_ids, None, mask_mod)
     return adapter(call.backend).blockwise_backward(
-        call, dout, q, k, v, out, lse, mask, bias, keep, dlse
+        call, dout, q, k, v, out, lse, mask, bias, keep, dlse, mods, sinks
     )

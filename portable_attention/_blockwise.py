@@ -32,9 +32,10 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from portable_attention import _core
+from portable_attention import _core, _mods
 from portable_attention._checks import is_kind, shape_of
 from portable_attention._core import Scores, allowed, block_of, operands
+from portable_attention._mods import Mods
 from portable_attention._spec import Call, check_arrays
 
 #: ``keep(block, shape) -> bool array``: block ``block``'s dropout keep mask for a block of
@@ -42,6 +43,11 @@ from portable_attention._spec import Call, check_arrays
 #: forward and the backward draw it alike). ``block`` is a Python int, or a traced integer
 #: scalar inside a compiled loop (JAX's ``lax.scan``).
 BlockKeep = Callable[[Any, tuple[int, ...]], Any]
+
+#: ``concrete(x) -> bool or None``: a 0-d boolean array as a Python bool where the
+#: framework runs eagerly (None while a compiler traces): blocks that segment ids or a
+#: ``mask_mod`` mask entirely are then skipped (``Adapter.concrete``).
+Concrete = Callable[[Any], "bool | None"]
 
 
 class Grads(NamedTuple):
@@ -54,16 +60,23 @@ class Grads(NamedTuple):
     dbias : array or None
         Shaped and typed as ``bias`` (the gradient summed over the axes the bias
         broadcasts along); None where no bias was given.
+    dsinks : array or None
+        Shaped and typed as ``sinks``; None where no sinks were given.
     """
 
     dq: Any
     dk: Any
     dv: Any
     dbias: Any
+    dsinks: Any = None
 
 
 def block_size(call: Call) -> int:
-    """The block length of both passes: ``chunk_size``, else :func:`_core.auto_chunk`."""
+    """The block length of both passes: a block plan's, ``chunk_size``, else
+    :func:`_core.auto_chunk`."""
+    if call.block_plan is not None:
+        size: int = call.block_plan.block_size
+        return size
     return call.chunk_size or _core.auto_chunk(call)
 
 
@@ -78,16 +91,51 @@ def span(length: int, size: int, index: int) -> tuple[int, int]:
 
 
 def pairs(call: Call, size: int) -> list[tuple[int, int]]:
-    """The ``(query block, key block)`` pairs that ``causal``/``window`` leave, query
-    block by query block (a static list: it depends on shapes and options only)."""
+    """The ``(query block, key block)`` pairs that ``causal``/``window`` (and a block
+    plan) leave, query block by query block (a static list: it depends on shapes and
+    options only)."""
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     nq, nk = grid(call, size)
+    kept = None if call.block_plan is None else set(call.block_plan.kept)
     return [
         (qi, ki)
         for qi in range(nq)
         for ki in range(nk)
         if not _core._block_is_empty(call, span(lq, size, qi), span(lk, size, ki))
+        and (kept is None or (qi, ki) in kept)
     ]
+
+
+def block_allow(
+    call: Call,
+    ops: Any,
+    mods: Mods | None,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    pair: tuple[int, int],
+) -> Any:
+    """The block's mask (True = may attend): the user's ``mask``, ``causal``/``window``,
+    segment ids and ``mask_mod`` together; None where nothing masks. A block plan's full
+    blocks skip the ``mask_mod``."""
+    allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+    if mods is None or (mods.q_ids is None and mods.mask_mod is None):
+        return allow
+    if mods.mask_mod is not None and call.block_plan is not None and pair in call.block_plan.full:
+        mods = Mods(mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos, None, None)
+    layout = (*ops.q.shape[:-2], rows[1] - rows[0], cols[1] - cols[0])
+    spans = ((rows[0], rows[1] - rows[0]), (cols[0], cols[1] - cols[0]))
+    extra = _mods.block_mask(call, mods, *spans, layout)
+    if extra is None:
+        return allow
+    return extra if allow is None else allow & extra
+
+
+def masked_out(call: Call, allow: Any, concrete: Concrete | None) -> bool:
+    """Whether a block's mask from segment ids or a ``mask_mod`` keeps nothing, where
+    that can be read (eagerly: one host read per block)."""
+    if concrete is None or allow is None or not call.modded:
+        return False
+    return concrete(call.xp.any(allow)) is False
 
 
 def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:
@@ -105,11 +153,17 @@ def forward(
     keep: BlockKeep | None = None,
     *,
     scores: Scores | None = None,
+    mods: Mods | None = None,
+    concrete: Concrete | None = None,
+    query_blocks: tuple[int, int] | None = None,
 ) -> tuple[Any, Any]:
     """Online-softmax attention over the blocks of :func:`pairs`; returns ``(out, lse)``.
 
     ``out [..., Hq, Lq, Dv]`` in the input dtype, ``lse [..., Hq, Lq]`` in the compute
     dtype, as :func:`_core.dense`. ``keep``: dropout's keep masks, one per block.
+    ``mods``: segment ids and score/mask mods; with ``concrete`` (eager frameworks),
+    blocks that they mask entirely are skipped. ``query_blocks=(start, stop)``: only the
+    rows of those query blocks (their ``out`` and ``lse``).
     """
     if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
         out, _, lse = _core._empty_keys(call, q, k, v)
@@ -129,7 +183,8 @@ def forward(
         ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=dev)
         v = xp.concat([v, ones], axis=-1)
     out_blocks, lse_blocks = [], []
-    for qi in range(grid(call, size)[0]):
+    first, stop = query_blocks if query_blocks is not None else (0, grid(call, size)[0])
+    for qi in range(first, stop):
         rows = span(lq, size, qi)
         lead = (*ops.q.shape[:-2], rows[1] - rows[0])
         m = xp.full((*lead, 1), -xp.inf, dtype=ct, device=dev)
@@ -137,8 +192,12 @@ def forward(
         acc = xp.zeros((*lead, v.shape[-1]), dtype=ct, device=dev)
         for ki in (ki for qj, ki in todo if qj == qi):
             cols = span(lk, size, ki)
+            allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
+            if masked_out(call, allow, concrete):
+                continue
             qb = ops.q[..., rows[0] : rows[1], :]
-            s, _ = block_scores(call, ops, qb, ops.k[..., cols[0] : cols[1], :], rows, cols, scores)
+            kb = ops.k[..., cols[0] : cols[1], :]
+            s, _ = block_scores(call, ops, qb, kb, rows, cols, scores, allow=allow, mods=mods)
             vb = v[..., cols[0] : cols[1], :]
             if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
                 e = xp.exp(s)
@@ -168,6 +227,8 @@ def forward(
         lse_blocks.append(xp.where(has_key, xp.log(total_safe) + m_safe, -xp.inf)[..., 0])
     out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
     lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
+    if query_blocks is not None:
+        return _core._finish(call, out, lse, out.shape[-2])
     return _core._finish(call, out, lse)
 
 
@@ -178,7 +239,7 @@ def bounded_scores(call: Call) -> bool:
     dtype's smallest normal number (the same relative precision as with the max
     subtracted: softmax does not depend on the shift). Two passes over each block fewer
     (the max and the subtraction) and no rescaling."""
-    if call.softcap is None or call.bias_shape is not None:
+    if call.softcap is None or call.bias_shape is not None or call.score_mod:
         return False
     info = call.xp.finfo(call.compute_dtype)
     high, low = math.log(float(info.max)), math.log(float(info.smallest_normal))
@@ -199,10 +260,14 @@ def block_scores(
     rows: tuple[int, int],
     cols: tuple[int, int],
     scores: Scores | None,
+    *,
+    allow: Any,
+    mods: Mods | None = None,
 ) -> tuple[Any, Any]:
-    """``(s, t)`` of one block: the scores after softcap, bias and masks (``-inf`` where
-    masked), and ``t = tanh(q k^T * scale / softcap)`` (None without softcap), from
-    operands whose q carries :func:`q_factor`."""
+    """``(s, t)`` of one block: the scores after softcap, bias, ``score_mod`` and the
+    block's mask ``allow`` (:func:`block_allow`; ``-inf`` where masked), and ``t = tanh(q
+    k^T * scale / softcap)`` (None without softcap), from operands whose q carries
+    :func:`q_factor`."""
     xp = call.xp
     s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
     t = None
@@ -211,7 +276,9 @@ def block_scores(
         s = call.softcap * t
     if ops.bias is not None:
         s = s + block_of(ops.bias, rows, cols)
-    allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+    if mods is not None and mods.score_mod is not None:
+        spans = ((rows[0], rows[1] - rows[0]), (cols[0], cols[1] - cols[0]))
+        s = _mods.apply_score_mod(call, mods, s, *spans)
     if allow is not None:
         s = xp.where(allow, s, -xp.inf)
     return s, t
@@ -258,29 +325,44 @@ def backward(
     dlse: Any = None,
     want_dbias: bool = True,
     scores: Scores | None = None,
+    mods: Mods | None = None,
+    concrete: Concrete | None = None,
+    sinks: Any = None,
 ) -> Grads:
     """FlashAttention-2's backward over the blocks of :func:`pairs` (see the module).
 
     ``out`` and ``lse`` are the forward's (or, for a shard of K/V, those of the whole
     call); ``dlse`` the loss's gradient with respect to ``lse`` where it uses it. ``keep``
     must draw the forward's masks. ``want_dbias=False`` skips ``dbias`` (None then).
+    ``mods``: segment ids and a ``mask_mod`` (a ``score_mod`` needs autodiff: torch and
+    JAX differentiate it on their own paths). ``sinks``: with the ``lse`` that includes
+    them, every block's ``exp(s - lse)`` is already the probability with the sink in the
+    denominator; ``dsinks`` comes from the rows' ``delta`` (:func:`_mods.sinks_grad`).
     Returns :class:`Grads` in the inputs' dtypes and shapes.
     """
+    assert not call.score_mod, "the array-API backward cannot differentiate a score_mod"
     xp = call.xp
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     dbias_wanted = bias is not None and want_dbias
     if lq == 0 or lk == 0:
+        dsinks = None
+        if sinks is not None:
+            dsinks = _mods.sinks_grad_from(call, sinks, dout, out, lse, dlse)
         return Grads(
             xp.zeros_like(q),
             xp.zeros_like(k),
             xp.zeros_like(v),
             xp.zeros_like(bias) if dbias_wanted else None,
+            dsinks,
         )
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     do = grouped(call, dout, last=call.v_shape[-1])
     delta = xp.sum(do * grouped(call, out, last=call.v_shape[-1]), axis=-1)
     if dlse is not None:  # d lse / d s = p: ds = p * (dp - (delta - dlse))
         delta = delta - grouped(call, dlse, last=None)
+    dsinks = None
+    if sinks is not None:
+        dsinks = _mods.sinks_grad_from(call, sinks, dout, out, lse, dlse)
     # Rows with no key (lse = -inf): +inf makes every p = exp(s - inf) = 0 (NaN stays NaN).
     lse_g = grouped(call, lse, last=None)
     lse_g = xp.where(lse_g == -xp.inf, xp.inf, lse_g)
@@ -318,14 +400,17 @@ def backward(
         dk_b = dv_b = None
         for qi in (qi for qi, kj in todo if kj == ki):
             rows = span(lq, size, qi)
+            allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
+            if masked_out(call, allow, concrete):
+                continue
             qb = ops.q[..., rows[0] : rows[1], :]
             dob = do[..., rows[0] : rows[1], :]
             if fold_lse:
                 qb_aug = q_aug[..., rows[0] : rows[1], :]
-                s_lse, t = block_scores(call, ops, qb_aug, kb_aug, rows, cols, scores)
+                s_lse, t = block_scores(call, ops, qb_aug, kb_aug, rows, cols, scores, allow=allow)
                 p = xp.exp(s_lse)
             else:
-                s, t = block_scores(call, ops, qb, kb, rows, cols, scores)
+                s, t = block_scores(call, ops, qb, kb, rows, cols, scores, allow=allow)
                 p = xp.exp(s) if bounded else xp.exp(s - lse_g[..., rows[0] : rows[1], None])
             p_used = p
             if keep is None:  # fold_delta
@@ -374,7 +459,9 @@ def backward(
     if dbias_wanted:
         dbias = _assemble_dbias(call, db_blocks, bias_shape, size)
         dbias = xp.astype(xp.reshape(dbias, shape_of(bias)), bias.dtype, copy=False)
-    return Grads(_as_input(call, dq, q), _as_input(call, dk, k), _as_input(call, dv, v), dbias)
+    return Grads(
+        _as_input(call, dq, q), _as_input(call, dk, k), _as_input(call, dv, v), dbias, dsinks
+    )
 
 
 def _zeros(call: Call, like: Any, length: int) -> Any:

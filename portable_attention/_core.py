@@ -19,7 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from portable_attention import _mods
 from portable_attention import masks as _masks
+from portable_attention._mods import Mods
 from portable_attention._spec import Call
 
 #: ``keep_mask(shape) -> bool array``: the dropout keep mask, from the framework's RNG.
@@ -118,10 +120,7 @@ def operands(
 
 def window_sides(call: Call) -> tuple[int | None, int | None]:
     """``(left, right)`` of the band of ``causal`` and ``window`` (None: unbounded)."""
-    left, right = call.window if call.window is not None else (None, None)
-    if call.causal is not None:
-        right = 0  # causal never looks past the aligned position, whatever the window
-    return left, right
+    return call.band_sides
 
 
 def band_keeps_all(call: Call) -> bool:
@@ -130,7 +129,7 @@ def band_keeps_all(call: Call) -> bool:
     step) is one: the query's aligned position is the last key. A mask of all True would
     cost the fused kernels their mask-free path (torch decode: 62-115 us against 32-37).
     """
-    if call.causal is None and call.window is None:
+    if not call.global_band:  # (q_ids, kv_ids) pairs align causal/window per segment
         return True
     left, right = window_sides(call)
     nearest, farthest = _distances(call, (0, call.q_shape[-2]), (0, call.k_shape[-2]))
@@ -149,6 +148,8 @@ def key_span(call: Call, rows: tuple[int, int]) -> tuple[int, int]:
     ``rows``: every key outside is masked for each of them (``start >= stop``: none is
     left). Kernels compute only these columns of the block."""
     lk = call.k_shape[-2]
+    if not call.global_band:
+        return 0, lk
     left, right = window_sides(call)
     offset = lk - call.q_shape[-2] if call.align == "lower_right" else 0
     start = 0 if left is None else max(0, rows[0] + offset - left)
@@ -223,7 +224,7 @@ def allowed(
 
 def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
-    if call.causal is None and call.window is None:
+    if not call.global_band:
         return False
     left, right = window_sides(call)
     nearest, farthest = _distances(call, rows, cols)
@@ -255,9 +256,11 @@ def _masked_scores(
     whole: bool,
     scores: Scores | None,
     band: bool = True,
+    mods: Mods | None = None,
 ) -> Any:
-    """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, then ``-inf`` where masked
-    (``band=False``: ``causal``/``window`` are already in the mask)."""
+    """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, ``score_mod``, then ``-inf``
+    where masked (``band=False``: ``causal``/``window`` are already in the mask; the mask
+    of segment ids and ``mask_mod`` from ``mods``)."""
     xp = call.xp
     qb = ops.q if whole else ops.q[..., rows[0] : rows[1], :]
     kb = ops.k if whole else ops.k[..., cols[0] : cols[1], :]
@@ -266,8 +269,15 @@ def _masked_scores(
         s = call.softcap * xp.tanh(s / call.softcap)
     if ops.bias is not None:
         s = s + (ops.bias if whole else block_of(ops.bias, rows, cols))
+    spans = ((rows[0], s.shape[-2]), (cols[0], s.shape[-1]))
+    if mods is not None and mods.score_mod is not None:
+        s = _mods.apply_score_mod(call, mods, s, *spans)
     user = ops.mask if whole else block_of(ops.mask, rows, cols)
     keep = allowed(call, user, rows=rows, cols=cols) if band else user
+    if mods is not None:
+        extra = _mods.block_mask(call, mods, *spans, tuple(s.shape))
+        if extra is not None:
+            keep = extra if keep is None else keep & extra
     if keep is not None:
         s = xp.where(keep, s, -xp.inf)
     return s
@@ -309,6 +319,7 @@ def dense(
     scores: Scores | None = None,
     guarded: bool | None = None,
     band: bool = True,
+    mods: Mods | None = None,
 ) -> tuple[Any, Any, Any]:
     """Attention with the full ``[..., Lq, Lk]`` score matrix.
 
@@ -317,6 +328,8 @@ def dense(
     in the compute dtype. The softmax division is applied to ``out`` (``Lq*Dv``
     divisions) rather than to the scores (``Lq*Lk``) unless the weights are wanted.
     ``guarded``: the softmax's empty-row guards; None: where :func:`rows_may_be_empty`.
+    ``mods``: the call's segment ids and score/mask mods (sinks are added by the caller:
+    :func:`portable_attention._mods.add_sinks`).
     An adapter may ask for them where they measure faster. ``band=False``: ``q`` may be
     a block of the call's query rows, and ``mask`` (cut to those rows) already holds
     ``causal`` and ``window`` (JAX's query blocks, whose offset is traced).
@@ -327,7 +340,7 @@ def dense(
     ops = operands(call, q, k, v, mask, bias)
     lq = q.shape[-2]
     grid = ((0, lq), (0, call.k_shape[-2]))
-    s = _masked_scores(call, ops, *grid, whole=True, scores=scores, band=band)
+    s = _masked_scores(call, ops, *grid, whole=True, scores=scores, band=band, mods=mods)
     if guarded is None:
         guarded = rows_may_be_empty(call)
     e, denom, lse = _softmax_parts(xp, s, guarded=guarded)
@@ -367,6 +380,8 @@ def rows_may_be_empty(call: Call) -> bool:
     call took 0.48 ms instead of 0.57 ms without it (jax 0.10, ``[1, 8, 128, 64]``).
     Non-finite inputs then give NaN rows, as in the seed's formula.
     """
+    if call.segments == "pair" or call.score_mod or call.mask_mod:
+        return True
     return not (call.mask_shape is None and call.bias_shape is None and band_keeps_all(call))
 
 

@@ -39,9 +39,10 @@ class Plan:
         (FlashAttention-2's) recomputes each block from the saved q, k, v, out and lse
         (torch: an ``autograd.Function``; JAX: a ``custom_vjp`` looping with
         ``lax.scan``; elsewhere :func:`~portable_attention.attend_backward`). The name
-        says what chose it: ``"portable:chunked"`` for ``chunk_size=`` or dense scores
-        over 256 MiB, ``"portable:blockwise"`` for ``auto`` on torch or JAX where the
-        dense path would save over 16 MiB of probabilities for backward.
+        says what chose it: ``"portable:chunked"`` for ``chunk_size=``, a block plan
+        that skips blocks, or dense scores over 256 MiB, ``"portable:blockwise"`` for
+        ``auto`` on torch or JAX where the dense path would save over 16 MiB of
+        probabilities for backward.
     reason : str
         In words, why this path and not a faster one.
     """
@@ -53,6 +54,13 @@ class Plan:
 def _portable(call: Call, why: str) -> Plan:
     if call.return_weights:
         return Plan(PORTABLE, f"{why}; return_weights needs the whole score matrix")
+    plan = call.block_plan
+    if plan is not None and plan.density < 1:
+        return Plan(
+            CHUNKED,
+            f"{why}; the block plan of mask_mod keeps {len(plan.kept)} of its blocks "
+            f"({plan.density:.0%}), so the blockwise path computes only those",
+        )
     if dense_bytes(call) > DENSE_LIMIT_BYTES:
         return Plan(
             CHUNKED,

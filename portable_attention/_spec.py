@@ -58,6 +58,16 @@ class Call:
     chunk_size: int | None
     return_weights: bool
     return_lse: bool
+    #: Shape of ``sinks`` (None: no sinks).
+    sinks_shape: tuple[int, ...] | None = None
+    #: ``segment_ids``: "self" (one array for q and k), "pair" (``(q_ids, kv_ids)``), None.
+    segments: str | None = None
+    #: Whether a ``score_mod`` / ``mask_mod`` is given (the functions travel with the
+    #: arrays in :class:`portable_attention._mods.Mods`, not in the call's description).
+    score_mod: bool = False
+    mask_mod: bool = False
+    #: The ``masks.BlockPlan`` given as ``mask_mod`` (hashed by identity), or None.
+    block_plan: Any = None
 
     def __hash__(self) -> int:
         # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).
@@ -68,6 +78,26 @@ class Call:
     def align(self) -> str:
         """The alignment of causal and window masks: upper-left only when asked for."""
         return "upper_left" if self.causal == "upper_left" else "lower_right"
+
+    @property
+    def band_sides(self) -> tuple[int | None, int | None]:
+        """``(left, right)`` of the band of ``causal`` and ``window`` (None: unbounded)."""
+        left, right = self.window if self.window is not None else (None, None)
+        if self.causal is not None:
+            right = 0  # causal never looks past the aligned position, whatever the window
+        return left, right
+
+    @property
+    def global_band(self) -> bool:
+        """Whether ``causal``/``window`` are a band on the ``[Lq, Lk]`` grid, decided from
+        shapes alone: given, and not aligned within the segments of a ``(q_ids, kv_ids)``
+        pair (their band depends on the ids; one array of ids keeps the global band)."""
+        return (self.causal is not None or self.window is not None) and self.segments != "pair"
+
+    @property
+    def modded(self) -> bool:
+        """Whether the call has segment ids, a score_mod or a mask_mod."""
+        return self.segments is not None or self.score_mod or self.mask_mod
 
     @property
     def grouped(self) -> bool:
@@ -454,19 +484,31 @@ def validate_call(
     chunk_size: object = None,
     return_weights: object = False,
     return_lse: object = False,
+    sinks: Any = None,
+    segment_ids: Any = None,
+    score_mod: object = None,
+    mask_mod: object = None,
 ) -> Call:
     """Check every argument of ``attend``; return the normalised :class:`Call`."""
     weights_f, lse_f = flag("return_weights", return_weights), flag("return_lse", return_lse)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x is None:  # check_arrays skips None (mask, bias): q, k, v are required
             _type_info(name, x)
-    xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias)
+    q_ids, kv_ids, segments = _segment_arrays(segment_ids)
+    xp, backend, device = check_arrays(
+        q=q, k=k, v=v, mask=mask, bias=bias, sinks=sinks, segment_ids=q_ids, kv_ids=kv_ids
+    )
     _check_dtypes(xp, q, k, v)
     _check_shapes(q, k, v)
     qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
     score_shape = (*qs[:-1], ks[-2])
     check_mask_bias(xp, mask, bias, q.dtype, score_shape)
     scale_f, softcap_f, dropout_f = _check_options(scale, softcap, dropout, qs[-1])
+    if sinks is not None:
+        _check_sinks(xp, sinks, q.dtype, qs)
+    if segments is not None:
+        _check_segment_ids(xp, q_ids, kv_ids, segments, qs, ks)
+    plan = _check_mods(score_mod, mask_mod, qs, ks, chunk_size)
     return Call(
         xp=xp,
         backend=backend,
@@ -487,7 +529,107 @@ def validate_call(
         chunk_size=_check_chunk_size(chunk_size, weights_f),
         return_weights=weights_f,
         return_lse=lse_f,
+        sinks_shape=None if sinks is None else shape_of(sinks),
+        segments=segments,
+        score_mod=score_mod is not None,
+        mask_mod=mask_mod is not None,
+        block_plan=plan,
     )
+
+
+def _segment_arrays(segment_ids: Any) -> tuple[Any, Any, str | None]:
+    """``(q_ids, kv_ids or None, form)`` of ``segment_ids``: one array ("self") or a
+    pair ("pair"); ``(None, None, None)`` without."""
+    if segment_ids is None:
+        return None, None, None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2 or any(x is None for x in segment_ids):
+            msg = (
+                "`segment_ids` must be one integer array [..., L] (packed self-attention) or "
+                f"a pair (q_ids [..., Lq], kv_ids [..., Lk]), got a {type_name(segment_ids)} "
+                f"of {len(segment_ids)} items."
+            )
+            raise ValueError(msg)
+        _type_info("segment_ids[0]", segment_ids[0])
+        _type_info("segment_ids[1]", segment_ids[1])
+        return segment_ids[0], segment_ids[1], "pair"
+    _type_info("segment_ids", segment_ids)
+    return segment_ids, None, "self"
+
+
+def _check_segment_ids(
+    xp: Any, q_ids: Any, kv_ids: Any, form: str, qs: tuple[int, ...], ks: tuple[int, ...]
+) -> None:
+    names = ("segment_ids",) if form == "self" else ("segment_ids[0]", "segment_ids[1]")
+    arrays = (q_ids,) if form == "self" else (q_ids, kv_ids)
+    lengths = (qs[-2],) if form == "self" else (qs[-2], ks[-2])
+    batch = qs[:-3] if len(qs) >= 3 else ()
+    if form == "self" and qs[-2] != ks[-2]:
+        msg = (
+            f"one array of `segment_ids` is for packed self-attention (Lq == Lk), but q has "
+            f"{qs[-2]} queries and k {ks[-2]} keys; pass a pair `segment_ids=(q_ids, kv_ids)`."
+        )
+        raise ValueError(msg)
+    for name, x, length in zip(names, arrays, lengths, strict=True):
+        if not is_kind(xp, x.dtype, "integral"):
+            msg = (
+                f"`{name}` must be an integer array of segment ids, got dtype {x.dtype}; "
+                f"cast it with `xp.astype({name}, xp.int32)` (ids are compared for equality)."
+            )
+            raise TypeError(msg)
+        shape = shape_of(x)
+        if len(shape) < 1 or shape[-1] != length or not broadcasts(shape[:-1], batch):
+            what = (
+                "[..., L]" if form == "self" else "[..., Lq]" if length == qs[-2] else "[..., Lk]"
+            )
+            msg = (
+                f"`{name}` must have shape {what} with leading dims that broadcast to q's "
+                f"batch dims {batch} (ids are per batch row, shared by the heads), got "
+                f"{shape} for q {qs} and k {ks}."
+            )
+            raise ValueError(msg)
+
+
+def _check_sinks(xp: Any, sinks: Any, dtype: Any, qs: tuple[int, ...]) -> None:
+    allowed = (dtype, compute_dtype_for(xp, dtype))
+    if not is_kind(xp, sinks.dtype, "real floating") or sinks.dtype not in allowed:
+        msg = (
+            f"`sinks` must be a float array of the inputs' dtype {dtype} or the compute dtype "
+            f"{allowed[1]}, got {sinks.dtype}; cast it with `xp.astype(sinks, ...)`."
+        )
+        raise TypeError(msg)
+    heads = qs[:-2] if len(qs) >= 3 else (1,)
+    if not broadcasts(shape_of(sinks), heads):
+        msg = (
+            f"`sinks` must broadcast to q's heads {heads} ([..., Hq]: one logit per query "
+            f"head), got shape {shape_of(sinks)} for q {qs}."
+        )
+        raise ValueError(msg)
+
+
+def _check_mods(
+    score_mod: object, mask_mod: object, qs: tuple[int, ...], ks: tuple[int, ...], chunk: object
+) -> Any:
+    """Check ``score_mod`` and ``mask_mod`` (a function or a ``masks.BlockPlan``); return
+    the block plan (None where ``mask_mod`` is a function or absent)."""
+    from portable_attention._block_plan import BlockPlan, check_plan_for
+
+    if score_mod is not None and not callable(score_mod):
+        msg = (
+            "`score_mod` must be a function `score_mod(score, b, h, q_idx, kv_idx) -> score` "
+            f"(FlexAttention's signature), got {type_name(score_mod)}."
+        )
+        raise TypeError(msg)
+    if isinstance(mask_mod, BlockPlan):
+        check_plan_for(mask_mod, qs, ks, chunk)
+        return mask_mod
+    if mask_mod is not None and not callable(mask_mod):
+        msg = (
+            "`mask_mod` must be a function `mask_mod(b, h, q_idx, kv_idx) -> bool` "
+            f"(FlexAttention's signature) or a `masks.block_plan(...)`, got {type_name(mask_mod)}."
+        )
+        raise TypeError(msg)
+    return None
 
 
 def rng_type_error(backend: str, expected: str, rng: object) -> TypeError:

@@ -254,7 +254,7 @@ def test_attend_backward_without_queries_or_keys(backend: Backend, lq: int, lk: 
     out, lse = attend(q, k, v, bias=bias, chunk_size=2, return_lse=True)
     dout = backend.asarray(randn(rng, (2, 2, lq, 4)), "float64")
     grads = attend_backward(dout, q, k, v, out, lse, bias=bias, chunk_size=2)
-    for g, x in zip(grads, (q, k, v, bias), strict=True):
+    for g, x in zip(grads[:4], (q, k, v, bias), strict=True):
         assert_like(g, x, shape=tuple(x.shape), dtype=x.dtype)
         assert not np.any(backend.to_numpy(g))
 
@@ -467,7 +467,7 @@ def test_torch_autograd_agrees_with_attend_backward() -> None:
     out.backward(dout)
     with torch.no_grad():
         grads = attend_backward(dout, q, k, v, out, lse, rng=torch.Generator().manual_seed(4), **kw)
-    for g, t in zip(grads, (q, k, v, bias), strict=True):
+    for g, t in zip(grads[:4], (q, k, v, bias), strict=True):
         torch.testing.assert_close(g, t.grad, rtol=0, atol=0)
 
 
@@ -717,7 +717,7 @@ def test_jax_grad_without_queries_or_keys(lq: int, lk: int) -> None:
     grads = jax.grad(lambda q, k, v: attend(q, k, v, chunk_size=2).sum(), argnums=(0, 1, 2))(
         q, k, v
     )
-    for g, x in zip(grads, (q, k, v), strict=True):
+    for g, x in zip(grads[:3], (q, k, v), strict=True):
         assert g.shape == x.shape and not np.asarray(g).any()
 
 

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 from portable_attention import _blockwise
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._core import KeepMask
+from portable_attention._mods import Mods
 from portable_attention._spec import Call
 
 #: ``kernel(q, k, v) -> out``: a fused kernel with every other argument bound.
@@ -68,11 +69,21 @@ class Kernel(ABC):
 
     @abstractmethod
     def run(
-        self, call: Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: KeepMask | None
+        self,
+        call: Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: KeepMask | None,
+        mods: Mods | None = None,
     ) -> tuple[Any, Any, Any]:
-        """``(out, weights or None, lse or None)`` for a call :meth:`reason` accepted.
+        """``(out, weights or None, lse or None)`` for a call :meth:`reason` accepted
+        (``lse`` at least where ``call.return_lse`` or sinks ask for it).
 
-        A fused kernel draws its own dropout and is given ``keep=None``."""
+        A fused kernel draws its own dropout and is given ``keep=None``; ``mods`` holds
+        the segment ids and mods of a call that has them (fused kernels decline those)."""
 
     def prepare(self, call: Call) -> Prepared | None:
         """A function of ``(q, k, v)`` alone for ``call``, where the kernel can bind
@@ -113,10 +124,23 @@ class Adapter(ABC):
         mask: Any,
         bias: Any,
         keep: BlockKeep | None,
+        mods: Mods | None = None,
     ) -> tuple[Any, Any]:
         """``(out, lse)`` of the blockwise path, differentiable by this framework's
-        autodiff with :meth:`blockwise_backward` as the gradient (where it has one)."""
-        return _blockwise.forward(call, q, k, v, mask, bias, keep, scores=self.scores(call.xp))
+        autodiff with :meth:`blockwise_backward` as the gradient (where it has one).
+        ``mods``: the call's segment ids and mods (sinks are merged in by the caller)."""
+        return _blockwise.forward(
+            call,
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            keep,
+            scores=self.scores(call.xp),
+            mods=mods,
+            concrete=self.concrete,
+        )
 
     def blockwise_backward(
         self,
@@ -131,9 +155,12 @@ class Adapter(ABC):
         bias: Any,
         keep: BlockKeep | None,
         dlse: Any,
+        mods: Mods | None = None,
+        sinks: Any = None,
     ) -> Grads:
         """The blockwise backward (FlashAttention-2's) of the call, from ``out`` and
-        ``lse``; ``keep`` replays :meth:`blockwise`'s dropout."""
+        ``lse``; ``keep`` replays :meth:`blockwise`'s dropout; ``sinks`` (with the ``lse``
+        that includes them) adds ``dsinks``."""
         return _blockwise.backward(
             call,
             dout,
@@ -147,7 +174,16 @@ class Adapter(ABC):
             keep,
             dlse=dlse,
             scores=self.scores(call.xp),
+            mods=mods,
+            concrete=self.concrete,
+            sinks=sinks,
         )
+
+    def concrete(self, x: Any) -> bool | None:
+        """A 0-d boolean array as a Python bool (a host read), or None where it cannot be
+        read now (a compiler traces): the blockwise path then skips the blocks that
+        segment ids or a ``mask_mod`` mask entirely."""
+        return bool(x)
 
     def scores(self, xp: Any) -> Callable[[Any, Any], Any] | None:
         """``q @ k^T`` for ``xp``'s arrays where this framework has a faster formulation;

@@ -107,7 +107,15 @@ class SdpaViaDlpack(Kernel):
         return _fused_reason(call)
 
     def run(
-        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any, Any]:
         return _run_fused(call, q, k, v, mask, bias), None, None
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_attention import _blockwise, _core, _spec
+from portable_attention import _blockwise, _core, _mods, _spec
 from portable_attention._blockwise import Grads
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
@@ -108,6 +108,9 @@ def _platform(call: _spec.Call) -> str:
 
 def _fused_reason(call: _spec.Call) -> str | None:
     """Why ``jax.nn.dot_product_attention`` cannot give the contract's answer (None: it can)."""
+    modded = _mods.unsupported(call, "jax.nn.dot_product_attention")
+    if modded is not None:
+        return modded
     if call.return_weights:
         return "return_weights needs the probabilities, which jax.nn does not return"
     if call.return_lse:
@@ -233,6 +236,8 @@ def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -
 
 def _native_reason(call: _spec.Call) -> str | None:
     """Why the query-blocked kernel does not take ``call`` (None: it does)."""
+    if call.modded:
+        return "segment ids and score/mask mods run on the blockwise or dense path"
     if _platform(call) != "cpu":
         return "query blocking in a lax.map is measured faster on CPU only"
     if call.dropout > 0:
@@ -429,9 +434,45 @@ def _operand_block(x: Any, r0: Any, c0: Any, size: int) -> Any:
     return x
 
 
-def _block_scores(g: _Grid, ops: Any, qi: Any, ki: Any) -> tuple[Any, Any, Any, Any]:
+@dataclass(frozen=True)
+class _ScanMods:
+    """A call's segment ids and mods as the scans take them: the ids (and positions)
+    padded to whole blocks, and the ``score_mod`` closure-converted (``jax.closure_convert``)
+    into ``score(s, b, h, q_idx, kv_idx, *consts)``, so that the arrays it captures are
+    explicit inputs of the ``custom_vjp`` and get their gradients."""
+
+    mods: _mods.Mods
+    score: Any = None
+
+    def with_consts(self, consts: Any) -> _mods.Mods:
+        """The mods whose score_mod applies ``score`` with ``consts``."""
+        if self.score is None:
+            return self.mods
+        score = self.score
+
+        def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score(s, b, h, q_idx, kv_idx, *consts)
+
+        m = self.mods
+        return _mods.Mods(m.q_ids, m.kv_ids, m.q_pos, m.kv_pos, score_mod, m.mask_mod)
+
+
+def _slice_ids(x: Any, span: tuple[Any, int]) -> Any:
+    return _slice(x, span[0], span[1], -1)
+
+
+def _block_scores(
+    g: _Grid,
+    ops: Any,
+    qi: Any,
+    ki: Any,
+    mods: _mods.Mods | None = None,
+    score_fn: Any = None,
+) -> tuple[Any, Any, Any, Any]:
     """``(s, tanh or None, k block, v block)`` of block ``(qi, ki)``: the masked scores
-    (``causal``/``window`` and padded keys from the block's traced offsets)."""
+    (``causal``/``window`` and padded keys from the block's traced offsets; segment ids
+    and ``mask_mod`` from ``mods``). ``score_fn(s, r0, c0)`` applies a score_mod (the
+    backward passes one that records its vjp)."""
     call, size = g.call, g.size
     r0, c0 = qi * size, ki * size
     qb = _slice(ops.q, r0, size, -2)
@@ -444,7 +485,14 @@ def _block_scores(g: _Grid, ops: Any, qi: Any, ki: Any) -> tuple[Any, Any, Any, 
         s = call.softcap * t
     if ops.bias is not None:
         s = s + _operand_block(ops.bias, r0, c0, size)
+    if score_fn is not None:
+        s = score_fn(s, r0, c0)
     allow = _operand_block(ops.mask, r0, c0, size)
+    if mods is not None:
+        spans = ((r0, size), (c0, size))
+        extra = _mods.block_mask(call, mods, *spans, tuple(s.shape), slice_ids=_slice_ids)
+        if extra is not None:
+            allow = extra if allow is None else allow & extra
     rows = r0 + jnp.arange(size)[:, None]
     cols = c0 + jnp.arange(size)[None, :]
     band = None
@@ -467,8 +515,46 @@ def _block_scores(g: _Grid, ops: Any, qi: Any, ki: Any) -> tuple[Any, Any, Any, 
     return s, t, kb, vb
 
 
+def _score_fn(g: _Grid, mods: _mods.Mods | None) -> Any:
+    """``score_fn(s, r0, c0)`` of :func:`_block_scores` for ``mods``' score_mod, or None."""
+    if mods is None or mods.score_mod is None:
+        return None
+
+    def score_fn(s: Any, r0: Any, c0: Any) -> Any:
+        return _mods.apply_score_mod(g.call, mods, s, (r0, g.size), (c0, g.size))
+
+    return score_fn
+
+
+def _padded_mods(g: _Grid, mods: _mods.Mods | None) -> _mods.Mods | None:
+    """``mods`` with ids and positions padded to whole blocks (padded keys are masked,
+    padded rows dropped: the padding's value does not matter)."""
+    if mods is None or mods.q_ids is None:
+        return mods
+    lqp, lkp = g.nq * g.size, g.nk * g.size
+
+    def pad(x: Any, length: int) -> Any:
+        return None if x is None else _pad_rows(x, length, -1, 0)
+
+    return _mods.Mods(
+        pad(mods.q_ids, lqp),
+        pad(mods.kv_ids, lkp),
+        pad(mods.q_pos, lqp),
+        pad(mods.kv_pos, lkp),
+        mods.score_mod,
+        mods.mask_mod,
+    )
+
+
 def _scan_forward(
-    g: _Grid, q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any
+    g: _Grid,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    key: Any,
+    mods: _mods.Mods | None = None,
 ) -> tuple[Any, Any]:
     """``(out, lse)`` of the blockwise forward: one scan over the blocks, the running max,
     sum and output of every query row in the carry."""
@@ -477,6 +563,8 @@ def _scan_forward(
         out, _, lse = _core._empty_keys(call, q, k, v)
         return out, lse
     ops = _padded_operands(g, q, k, v, mask, bias)
+    mods = _padded_mods(g, mods)
+    score_fn = _score_fn(g, mods)
     ct = call.compute_dtype
     lead = ops.q.shape[:-1]
     inputs = (ops.q, ops.k, ops.v, ops.mask, ops.bias)
@@ -490,7 +578,7 @@ def _scan_forward(
         acc, m, total = carry
         qi, ki = pair[0], pair[1]
         r0 = qi * g.size
-        s, _, _, vb = _block_scores(g, ops, qi, ki)
+        s, _, _, vb = _block_scores(g, ops, qi, ki, mods, score_fn)
         m_old = _slice(m, r0, g.size, -2)
         m_new = jnp.maximum(m_old, jnp.max(s, axis=-1, keepdims=True))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -530,14 +618,20 @@ def _scan_backward(
     bias: Any,
     key: Any,
     dlse: Any,
-) -> Grads:
+    scan: _ScanMods | None = None,
+    consts: tuple[Any, ...] = (),
+) -> tuple[Grads, tuple[Any, ...]]:
     """The blockwise backward: one scan over the blocks (key block by key block), dq, dk,
-    dv (and dbias) in the carry."""
+    dv (and dbias, and the gradients of a score_mod's ``consts``) in the carry. Returns
+    ``(grads, dconsts)``."""
     call = g.call
     if g.lq == 0 or g.lk == 0:
         dbias0 = None if bias is None else jnp.zeros_like(bias)
-        return Grads(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias0)
+        zeros = tuple(jnp.zeros_like(c) for c in consts)
+        return Grads(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias0), zeros
     ops = _padded_operands(g, q, k, v, mask, bias)
+    mods = _padded_mods(g, scan.mods) if scan is not None else None
+    converted = scan.score if scan is not None else None
     lqp = g.nq * g.size
     dv_size = call.v_shape[-1]
     do = _pad_rows(_blockwise.grouped(call, dout, last=dv_size), lqp, -2, 0.0)
@@ -551,6 +645,8 @@ def _scan_backward(
     init = [_carry(x.shape, ct, 0.0, *inputs) for x in (ops.q, ops.k, ops.v)]
     if ops.bias is not None:
         init.append(_carry(ops.bias.shape, ct, 0.0, *inputs))
+    first_const = len(init)
+    init.extend(_carry(c.shape, c.dtype, 0.0, *inputs, c) for c in consts)
     grouped = call.grouped
 
     def kv_grad(x: Any, y: Any) -> Any:
@@ -562,7 +658,21 @@ def _scan_backward(
     def step(carry: Any, pair: Any) -> Any:
         qi, ki = pair[0], pair[1]
         r0, c0 = qi * g.size, ki * g.size
-        s, t, kb, vb = _block_scores(g, ops, qi, ki)
+        pullback: list[Any] = []
+        score_fn = None
+        if converted is not None:
+
+            def score_fn(s_pre: Any, r0: Any, c0: Any) -> Any:
+                def modded(s_: Any, *c: Any) -> Any:
+                    base = mods if mods is not None else _mods.Mods()
+                    fn = _score_fn(g, _ScanMods(base, converted).with_consts(c))
+                    return fn(s_, r0, c0)
+
+                s_mod, pull = jax.vjp(modded, s_pre, *consts)
+                pullback.append(pull)
+                return s_mod
+
+        s, t, kb, vb = _block_scores(g, ops, qi, ki, mods, score_fn)
         qb = _slice(ops.q, r0, g.size, -2)
         dob = _slice(do, r0, g.size, -2)
         p = jnp.exp(s - _slice(lse_g, r0, g.size, -1)[..., None])
@@ -574,6 +684,10 @@ def _scan_backward(
             dp = _core.apply_keep(jnp, dp, kept, call.dropout)
         ds = p * (dp - _slice(delta, r0, g.size, -1)[..., None])
         new = list(carry)
+        if pullback:  # d score_mod: back to the scores before it, and to its consts
+            ds, *dconsts = pullback[0](ds)
+            for i, dc in enumerate(dconsts):
+                new[first_const + i] = new[first_const + i] + dc
         if ops.bias is not None:
             shape = ops.bias.shape
             target = (
@@ -618,7 +732,7 @@ def _scan_backward(
             dbias = dbias[..., : g.lk]
         dbias = jnp.reshape(dbias, bias.shape).astype(bias.dtype)
     dq, dk, dv = (jnp.reshape(d, x.shape).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v)))
-    return Grads(dq, dk, dv, dbias)
+    return Grads(dq, dk, dv, dbias), tuple(carry[first_const:])
 
 
 def _block_size(call: _spec.Call) -> int:
@@ -628,6 +742,8 @@ def _block_size(call: _spec.Call) -> int:
     passes over memory: unmasked, ``[1, 8, 2048, 64]`` float32 took 104 ms forward and
     449 ms under ``jit(grad)`` with blocks of 512, 119 and 493 ms with blocks of 256
     (native:jax: 112 and 684 ms); causal, blocks of 256 or less measured fastest."""
+    if call.block_plan is not None:  # its pairs are blocks of its size
+        return int(call.block_plan.block_size)
     if call.chunk_size is not None:
         size = call.chunk_size
     elif _core.band_keeps_all(call):
@@ -657,18 +773,63 @@ def _blockwise_fn(call: _spec.Call) -> Any:
     def bwd(res: Any, cotangents: Any) -> Any:
         q, k, v, mask, bias, key, out, lse = res
         dout, dlse = cotangents
-        grads = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse)
+        grads, _ = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse)
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None
 
     run.defvjp(fwd, bwd)
     return jax.jit(run)
 
 
+def _modded_blockwise(
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any, mods: _mods.Mods
+) -> tuple[Any, Any]:
+    """The blockwise path of a call with segment ids or mods: a ``custom_vjp`` built for
+    this call (the mods are functions: it is traced again each call outside ``jit``), its
+    ids and a score_mod's captured arrays passed explicitly."""
+    g = _Grid(call, _block_size(call))
+    converted: Any = None
+    consts: Any = ()
+    if mods.score_mod is not None:
+        example_s = jnp.zeros(_mods.user_shape(call, g.size, g.size), call.compute_dtype)
+        example = _mods.indices(call, (0, g.size), (0, g.size))
+        converted, consts = jax.closure_convert(mods.score_mod, example_s, *example)
+    arrays = (mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos)
+
+    def scan_mods(ids: Any) -> _ScanMods:
+        q_ids, kv_ids, q_pos, kv_pos = ids
+        plain = _mods.Mods(q_ids, kv_ids, q_pos, kv_pos, None, mods.mask_mod)
+        return _ScanMods(plain, converted)
+
+    @jax.custom_vjp
+    def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any, ids: Any, c: Any) -> Any:
+        return _scan_forward(g, q, k, v, mask, bias, key, scan_mods(ids).with_consts(c))
+
+    def fwd(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any, ids: Any, c: Any) -> Any:
+        out, lse = _scan_forward(g, q, k, v, mask, bias, key, scan_mods(ids).with_consts(c))
+        return (out, lse), (q, k, v, mask, bias, key, ids, c, out, lse)
+
+    def bwd(res: Any, cotangents: Any) -> Any:
+        q, k, v, mask, bias, key, ids, c, out, lse = res
+        dout, dlse = cotangents
+        grads, dc = _scan_backward(
+            g, dout, q, k, v, out, lse, mask, bias, key, dlse, scan_mods(ids), tuple(c)
+        )
+        return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, tuple(dc)
+
+    run.defvjp(fwd, bwd)
+    out, lse = run(q, k, v, mask, bias, key, arrays, tuple(consts))
+    return out, lse
+
+
 @functools.lru_cache(maxsize=64)
 def _backward_fn(call: _spec.Call) -> Any:
     """``attend_backward`` of a call, jitted (cached: a Call is hashable)."""
     g = _Grid(call, _block_size(call))
-    return jax.jit(functools.partial(_scan_backward, g))
+
+    def backward(*args: Any) -> Grads:
+        return _scan_backward(g, *args)[0]
+
+    return jax.jit(backward)
 
 
 def _key_of(keep: Any) -> Any:
@@ -690,7 +851,15 @@ class DotProductAttention(Kernel):
         return _portable_preferred(call)
 
     def run(
-        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any, Any]:
         return _run_fused(call, q, k, v, mask, bias), None, None
 
@@ -709,7 +878,15 @@ class QueryBlocks(Kernel):
         return _native_reason(call)
 
     def run(
-        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any, Any]:
         return _run_native(call, q, k, v, mask, bias, keep)
 
@@ -738,7 +915,10 @@ class JaxAdapter(Adapter):
         mask: Any,
         bias: Any,
         keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any]:
+        if mods is not None:
+            return _modded_blockwise(call, q, k, v, mask, bias, _key_of(keep), mods)
         out, lse = _blockwise_fn(call)(q, k, v, mask, bias, _key_of(keep))
         return out, lse
 
@@ -755,9 +935,19 @@ class JaxAdapter(Adapter):
         bias: Any,
         keep: Any,
         dlse: Any,
+        mods: Any = None,
+        sinks: Any = None,
     ) -> Grads:
-        backward = _backward_fn(call)
-        grads: Grads = backward(dout, q, k, v, out, lse, mask, bias, _key_of(keep), dlse)
+        key = _key_of(keep)
+        if mods is None:
+            grads: Grads = _backward_fn(call)(dout, q, k, v, out, lse, mask, bias, key, dlse)
+        else:
+            g = _Grid(call, _block_size(call))
+            scan = _ScanMods(mods)
+            grads = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse, scan)[0]
+        if sinks is not None:
+            dsinks = _mods.sinks_grad_from(call, sinks, dout, out, lse, dlse)
+            grads = grads._replace(dsinks=dsinks)
         return grads
 
     def scores(self, xp: Any) -> Any:

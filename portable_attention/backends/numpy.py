@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention import _core, _spec
+from portable_attention import _core, _mods, _spec
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
 from portable_attention.backends.generic import numpy_block_keep, numpy_keep_mask
@@ -154,14 +154,24 @@ class BlockedKernel(Kernel):
     why = "the NumPy-native blocked kernel runs (in-place softmax, blocks of queries)"
 
     def reason(self, call: _spec.Call) -> str | None:
-        """It takes every call that reaches it: ``chunk_size`` is decided before any
-        backend is asked."""
+        """It takes every call that reaches it but those with a score_mod or mask_mod:
+        ``chunk_size`` is decided before any backend is asked."""
+        if call.score_mod or call.mask_mod:
+            return "score_mod and mask_mod run on the portable path, block by block"
         return None
 
     def run(
-        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any, Any]:
-        return run_native(call, q, k, v, mask, bias, keep)
+        return run_native(call, q, k, v, mask, bias, keep, mods)
 
 
 class NumpyAdapter(Adapter):
@@ -182,9 +192,11 @@ ADAPTER = NumpyAdapter()
 
 
 def run_native(
-    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any, mods: Any = None
 ) -> tuple[Any, Any, Any]:
-    """``(out, weights or None, lse or None)`` with the contract of ``_core.dense``."""
+    """``(out, weights or None, lse or None)`` with the contract of ``_core.dense``
+    (``lse`` also where sinks need it). ``mods``: the call's segment ids, whose key span
+    each query block narrows to."""
     if call.k_shape[-2] == 0:
         return _core.dense(call, q, k, v)
     q_factor = call.scale * _LOG2E if _base2(call) else None
@@ -195,7 +207,8 @@ def run_native(
     lead = ops.q.shape[:-2]
     ct = call.compute_dtype
     out = np.empty((*lead, lq, call.v_shape[-1]), dtype=ct)
-    lse = np.empty((*lead, lq), dtype=ct) if call.return_lse else None
+    wants_lse = call.return_lse or call.sinks_shape is not None
+    lse = np.empty((*lead, lq), dtype=ct) if wants_lse else None
     weights = np.empty((*lead, lq, lk), dtype=ct) if call.return_weights else None
     scores = math.prod(lead) * lq * lk
     big = scores >= _THREADS_MIN_ELEMENTS and keep is None and _WORKERS > 1
@@ -206,7 +219,7 @@ def run_native(
         rows_per_block = min(rows_per_block, -(-lq // _WORKERS))  # work for every thread
     with _blas_pinned(blas) if threaded else contextlib.nullcontext():
         if rows_per_block >= lq:  # one block (decode, short sequences): no list, no closure
-            _block(call, ops, (0, lq), keep, out, weights, lse)
+            _block(call, ops, (0, lq), keep, out, weights, lse, mods)
         else:
             blocks = iter(
                 [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
@@ -214,7 +227,7 @@ def run_native(
 
             def drain() -> None:  # takes blocks until none is left (next() holds the GIL)
                 for rows in blocks:
-                    _block(call, ops, rows, keep, out, weights, lse)
+                    _block(call, ops, rows, keep, out, weights, lse, mods)
 
             helpers = [_executor().submit(drain) for _ in range(_WORKERS - 1)] if threaded else []
             try:
@@ -239,6 +252,7 @@ def _block(
     out: Any,
     weights: Any,
     lse: Any,
+    mods: Any = None,
     *,
     row_max: bool = False,
 ) -> None:
@@ -256,6 +270,8 @@ def _block(
     # Only the keys causal/window leave to these rows (all of them with dropout: the
     # keep-mask is drawn for the whole row, as on the dense path).
     cols = (0, call.k_shape[-2]) if keep is not None else _core.key_span(call, rows)
+    if mods is not None and keep is None:
+        cols = _segment_span(mods, rows, cols)
     lk = cols[1] - cols[0]
     if lk == 0:  # no row of the block has a key
         _empty_rows(out, weights, lse, r)
@@ -274,6 +290,10 @@ def _block(
     if ops.bias is not None:
         np.add(s, _core.block_of(ops.bias, rows, cols), out=s)
     allowed = _core.allowed(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+    if mods is not None:
+        spans = ((rows[0], rows[1] - rows[0]), (cols[0], lk))
+        segments = _mods.block_mask(call, mods, *spans, tuple(s.shape))
+        allowed = segments if allowed is None else allowed & segments
     if allowed is not None:
         np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
         # A row with no key would fail the row sums' check: go straight to the max pass
@@ -298,7 +318,7 @@ def _block(
             sum_shape = (*s.shape[:-1], vb.shape[-1])
             block_sum = np.matmul(s, vb, out=_scratch(1, sum_shape, dtype))
     if m is None and not _sums_in_range(total, block_sum):
-        _block(call, ops, rows, keep, out, weights, lse, row_max=True)
+        _block(call, ops, rows, keep, out, weights, lse, mods, row_max=True)
         return
     has_key = total != 0 if guarded and m is not None else None  # NaN rows stay NaN
     if has_key is not None:
@@ -320,6 +340,20 @@ def _block(
         if has_key is not None:
             block_lse[~has_key] = -np.inf
         lse[..., r] = block_lse[..., 0]
+
+
+def _segment_span(mods: Any, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:
+    """The keys of ``cols`` whose segment id lies within the ids of the query ``rows``:
+    every key outside has no query of the block in its segment (``start == stop``: none)."""
+    q_ids = np.asarray(mods.q_ids)[..., rows[0] : rows[1]]
+    kv_ids = np.asarray(mods.kv_ids)[..., cols[0] : cols[1]]
+    if q_ids.size == 0 or kv_ids.size == 0:
+        return cols
+    inside = (kv_ids >= q_ids.min()) & (kv_ids <= q_ids.max())
+    found = np.flatnonzero(inside.reshape(-1, inside.shape[-1]).any(axis=0))
+    if found.size == 0:
+        return cols[0], cols[0]
+    return cols[0] + int(found[0]), cols[0] + int(found[-1]) + 1
 
 
 def _empty_rows(out: Any, weights: Any, lse: Any, r: slice) -> None:

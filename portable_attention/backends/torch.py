@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_attention import _blockwise, _core, _spec
+from portable_attention import _blockwise, _core, _mods, _spec
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
 
@@ -240,40 +240,95 @@ class BlockwiseFunction(torch.autograd.Function):
         bias: Any,
         call: _spec.Call,
         keep: SeededKeep | None,
+        mods: Any,
     ) -> tuple[Any, Any]:
-        if _HAS_CUSTOM_OP:
+        if _HAS_CUSTOM_OP and mods is None:
             out, lse = _forward_op(q, k, v, mask, bias, *_options(call, keep))
         else:
-            out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep)
+            out, lse = _blockwise.forward(
+                call, q, k, v, mask, bias, keep, mods=mods, concrete=_concrete
+            )
         return out, lse
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
-        q, k, v, mask, bias, call, keep = inputs
+        q, k, v, mask, bias, call, keep, mods = inputs
         ctx.save_for_backward(q, k, v, *output, mask, bias)
         ctx.call = call
         ctx.keep = keep
+        ctx.mods = mods
 
     @staticmethod
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
         q, k, v, out, lse, mask, bias = ctx.saved_tensors
-        call, keep = ctx.call, ctx.keep
+        call, keep, mods = ctx.call, ctx.keep, ctx.mods
         want_dbias = bias is not None and ctx.needs_input_grad[4]
         if dout is None:
             dout = torch.zeros_like(out)
-        if _HAS_CUSTOM_OP and not torch.is_grad_enabled():
+        if _HAS_CUSTOM_OP and mods is None and not torch.is_grad_enabled():
             dq, dk, dv, dbias = _backward_op(
                 dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_options(call, keep)
             )
-            return dq, dk, dv, None, dbias if want_dbias else None, None, None
+            return dq, dk, dv, None, dbias if want_dbias else None, None, None, None
         grads = _blockwise.backward(
-            call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias
+            call,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            mask,
+            bias,
+            keep,
+            dlse=dlse,
+            want_dbias=want_dbias,
+            mods=mods,
+            concrete=_concrete,
         )
-        return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None
+        return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, None
+
+
+def _concrete(x: Any) -> bool | None:
+    """A 0-d bool tensor as a Python bool; None while torch.compile traces."""
+    return None if torch.compiler.is_compiling() else bool(x)
+
+
+def _checkpointed(
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any, mods: Any
+) -> tuple[Any, Any]:
+    """The blockwise forward of a call with a ``score_mod`` under autograd: each query
+    block a non-reentrant checkpoint, so backward recomputes it with autograd (peak
+    memory ``O(size * Lk)`` per head while it does) and the score_mod's captured tensors
+    get their gradients as any function's would."""
+    from torch.utils.checkpoint import checkpoint
+
+    if call.q_shape[-2] == 0 or call.k_shape[-2] == 0:
+        return _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods)
+    size = _blockwise.block_size(call)
+    nq = _blockwise.grid(call, size)[0]
+    outs, lses = [], []
+    for qi in range(max(nq, 1)):
+
+        def rows(q: Any, k: Any, v: Any, mask: Any, bias: Any, qi: int = qi) -> Any:
+            return _blockwise.forward(
+                call, q, k, v, mask, bias, keep, mods=mods, concrete=_concrete,
+                query_blocks=(qi, qi + 1),
+            )  # fmt: skip
+
+        out, lse = checkpoint(rows, q, k, v, mask, bias, use_reentrant=False)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def fused_reason(call: _spec.Call) -> str | None:
     """Why SDPA cannot give the contract's answer for ``call`` (None: it can)."""
+    modded = _mods.unsupported(call, "SDPA")
+    if modded is not None:
+        return modded
     if call.return_weights:
         return "return_weights needs the probabilities, which SDPA does not return"
     if call.return_lse:
@@ -348,7 +403,15 @@ class ScaledDotProductAttention(Kernel):
         return fused_reason(call)
 
     def run(
-        self, call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
+        self,
+        call: _spec.Call,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any, Any]:
         return sdpa(call, q, k, v, *_core.kernel_operand(call, mask, bias)), None, None
 
@@ -379,9 +442,15 @@ class TorchAdapter(Adapter):
         mask: Any,
         bias: Any,
         keep: Any,
+        mods: Any = None,
     ) -> tuple[Any, Any]:
-        out, lse = BlockwiseFunction.apply(q, k, v, mask, bias, call, keep)
+        if mods is not None and mods.score_mod is not None and torch.is_grad_enabled():
+            return _checkpointed(call, q, k, v, mask, bias, keep, mods)
+        out, lse = BlockwiseFunction.apply(q, k, v, mask, bias, call, keep, mods)
         return out, lse
+
+    def concrete(self, x: Any) -> bool | None:
+        return _concrete(x)
 
     def tracing(self) -> bool:
         return bool(torch.compiler.is_compiling())

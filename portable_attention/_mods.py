@@ -1,0 +1,321 @@
+"""What ``sinks``, ``segment_ids``, ``score_mod`` and ``mask_mod`` add to a call of attend.
+
+Array-API only, as :mod:`portable_attention._core`. The three features enter the
+computation at three places:
+
+- **sinks** after the softmax's sum: a kernel's ``(out, lse)`` over the keys is merged
+  with a "sink" of value 0 and logit ``sink`` (:func:`add_sinks`), exactly the
+  log-sum-exp merge of two partial results. Every path that gives ``lse`` takes sinks
+  so, and autodiff (or the blockwise backward's ``dlse``) carries their gradient.
+- **segment ids** and **mask_mod** as one more boolean mask of a block of scores
+  (:func:`block_mask`), built from the ids and from the index arrays of the block.
+- **score_mod** on a block of scores after softcap and bias, before the masks
+  (:func:`apply_score_mod`).
+
+:class:`Mods` carries the arrays and functions of a call (the ids, the aligned positions
+that causal/window take within segments, the mods) next to the static
+:class:`~portable_attention._spec.Call`, which records only that they are there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+from portable_attention._checks import broadcasts, is_kind, shape_of, type_name
+from portable_attention._spec import Call
+
+#: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature).
+ScoreMod = Callable[[Any, Any, Any, Any, Any], Any]
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool array``: True = may attend.
+MaskMod = Callable[[Any, Any, Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class Mods:
+    """The arrays and functions of a call's segment ids and mods.
+
+    ``q_ids [*batch, Lq]`` and ``kv_ids [*batch, Lk]`` (the same array for packed
+    self-attention); ``q_pos`` / ``kv_pos`` the coordinates that ``causal``/``window``
+    compare within a segment (None where the call's global band is exact: one array of
+    ids, or no band).
+    """
+
+    q_ids: Any = None
+    kv_ids: Any = None
+    q_pos: Any = None
+    kv_pos: Any = None
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+
+
+def prepare(call: Call, segment_ids: Any, score_mod: Any, mask_mod: Any) -> Mods | None:
+    """The :class:`Mods` of a validated call (None where it has none of them)."""
+    if call.segments is None and not call.score_mod and not call.mask_mod:
+        return None
+    q_ids = kv_ids = q_pos = kv_pos = None
+    if call.segments is not None:
+        q_ids, kv_ids = segment_ids if call.segments == "pair" else (segment_ids, segment_ids)
+        if call.segments == "pair" and (call.causal is not None or call.window is not None):
+            q_pos = aligned_positions(call.xp, q_ids, call.align)
+            kv_pos = aligned_positions(call.xp, kv_ids, call.align)
+    mask_fn = getattr(mask_mod, "mask_mod", mask_mod)  # a BlockPlan carries its mask_mod
+    return Mods(q_ids, kv_ids, q_pos, kv_pos, score_mod, mask_fn)
+
+
+def aligned_positions(xp: Any, ids: Any, align: str) -> Any:
+    """Each position's coordinate within its segment (a contiguous run of equal ids in
+    each row of ``ids [*batch, L]``): ``i - end`` (lower-right; ``end`` the run's exclusive
+    end) or ``i - start`` (upper-left). Two positions of one segment, one in q's ids and
+    one in k's, are aligned when their coordinates are equal (as ``flash_attn_varlen_func``
+    aligns causal masks of each sequence)."""
+    shape = tuple(ids.shape)
+    length = shape[-1]
+    rows = xp.reshape(ids, (-1, length))
+    n = rows.shape[0]
+    if length == 0:
+        return xp.zeros(shape, dtype=xp.int64, device=_device(ids))
+    changes = xp.astype(rows[:, 1:] != rows[:, :-1], xp.int64)
+    first = xp.ones((n, 1), dtype=xp.int64, device=_device(ids))
+    run = xp.cumulative_sum(xp.concat([first, changes], axis=1), axis=1)
+    # One sorted key over all rows: row r's runs are numbered after those of rows < r.
+    row = xp.reshape(xp.arange(n, dtype=xp.int64, device=_device(ids)), (n, 1))
+    key = xp.reshape(run + row * (length + 1), (-1,))
+    side = "right" if align == "lower_right" else "left"
+    edge = xp.reshape(xp.searchsorted(key, key, side=side), (n, length)) - row * length
+    pos = xp.reshape(xp.arange(length, dtype=xp.int64, device=_device(ids)), (1, length))
+    return xp.reshape(pos - xp.astype(edge, xp.int64), shape)
+
+
+def _device(x: Any) -> Any:
+    return array_api_compat.device(x)
+
+
+def add_sinks(call: Call, sinks: Any, out: Any, weights: Any, lse: Any) -> tuple[Any, Any, Any]:
+    """``(out, weights, lse)`` with one more logit per query head in the softmax's
+    denominator: the merge of the keys' result with a sink of value 0 (so
+    ``lse = logaddexp(lse, sink)`` and ``out``, ``weights`` scaled by ``exp(lse_keys -
+    lse)``). Rows with no key: out 0, weights 0, lse = sink; a sink of ``-inf`` changes
+    nothing. Every exponent and log sees a safe operand selected by ``where``, so no
+    gradient through it is NaN."""
+    xp, ct = call.xp, call.compute_dtype
+    sink = sink_rows(call, sinks)
+    m = xp.maximum(lse, sink)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0)
+    total = xp.exp(lse - m_safe) + xp.exp(sink - m_safe)
+    has = total != 0  # NaN rows stay NaN
+    total_safe = xp.where(has, total, 1.0)
+    lse_new = xp.where(has, m_safe + xp.log(total_safe), -xp.inf)
+    factor = xp.where(has, xp.exp(lse - xp.where(has, lse_new, 0.0)), 0.0)[..., None]
+    out = xp.astype(xp.astype(out, ct, copy=False) * factor, call.dtype, copy=False)
+    if weights is not None:
+        weights = xp.astype(xp.astype(weights, ct, copy=False) * factor, call.dtype, copy=False)
+    return out, weights, lse_new
+
+
+def sink_rows(call: Call, sinks: Any) -> Any:
+    """``sinks`` in the compute dtype, shaped to broadcast against lse ``[..., Hq, Lq]``."""
+    xp = call.xp
+    heads = call.q_shape[:-2]
+    shape = (1,) * (len(heads) - sinks.ndim) + tuple(sinks.shape)
+    if not heads:  # 2-D q: one implicit head, sinks () or (1,)
+        shape = ()
+    x = xp.reshape(xp.astype(sinks, call.compute_dtype, copy=False), (*shape, 1))
+    return x
+
+
+def sinks_grad(call: Call, sinks: Any, lse: Any, delta: Any) -> Any:
+    """d loss / d sinks from the rows' ``lse`` (with the sink) and ``delta`` (``rowsum(dout
+    * out) - dlse``): each row contributes ``-exp(sink - lse) * delta``, summed over the
+    rows and the axes ``sinks`` broadcasts along; in ``sinks``' shape and dtype."""
+    xp = call.xp
+    sink = sink_rows(call, sinks)
+    lse_safe = xp.where(lse == -xp.inf, xp.inf, lse)  # empty rows with a -inf sink: p = 0
+    g = -xp.exp(sink - lse_safe) * delta
+    g = xp.sum(g, axis=-1)  # over the query rows
+    target = tuple(sinks.shape)
+    lead = g.ndim - len(target)
+    if lead > 0:
+        g = xp.sum(g, axis=tuple(range(lead)))
+    elif lead < 0:
+        g = xp.reshape(g, (1,) * -lead + tuple(g.shape))
+    axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, target, strict=True)) if b == 1 != a)
+    if axes:
+        g = xp.sum(g, axis=axes, keepdims=True)
+    return xp.astype(xp.reshape(g, target), sinks.dtype, copy=False)
+
+
+def sinks_grad_from(call: Call, sinks: Any, dout: Any, out: Any, lse: Any, dlse: Any) -> Any:
+    """:func:`sinks_grad` from the backward's arrays: ``delta = rowsum(dout * out) -
+    dlse`` (rows with no key: ``out = 0``, so ``dsinks = dlse`` there)."""
+    xp, ct = call.xp, call.compute_dtype
+    delta = xp.sum(xp.astype(dout, ct, copy=False) * xp.astype(out, ct, copy=False), axis=-1)
+    if dlse is not None:
+        delta = delta - xp.astype(dlse, ct, copy=False)
+    return sinks_grad(call, sinks, lse, delta)
+
+
+# ------------------------------------------------------------------------------------------
+# Blocks of scores: index arrays, score_mod, the mask of segment ids and mask_mod.
+
+
+def user_shape(call: Call, rows: int, cols: int) -> tuple[int, ...]:
+    """The shape of a block of scores as the mods see it: ``[..., Hq, rows, cols]``
+    (``[rows, cols]`` for 2-D q)."""
+    return (*call.q_shape[:-2], rows, cols)
+
+
+def indices(
+    call: Call, rows: tuple[Any, int], cols: tuple[Any, int], *, lq: int | None = None
+) -> tuple[Any, Any, Any, Any]:
+    """``(b, h, q_idx, kv_idx)``, int32 index arrays that broadcast against a block of
+    scores in :func:`user_shape`: ``b [*batch, 1, 1, 1]`` (the flat batch index), ``h
+    [Hq, 1, 1]``, ``q_idx [rows, 1]``, ``kv_idx [1, cols]``. ``rows``/``cols`` are
+    ``(start, length)``; ``start`` may be a traced integer (JAX's scan), and indices past
+    the call's length (padded blocks) are clipped to the last one."""
+    xp, dev, i32 = call.xp, call.device, call.xp.int32
+    ndim = len(call.q_shape)
+    lead = call.q_shape[:-3] if ndim >= 3 else ()
+    count = 1
+    for n in lead:
+        count *= n
+    if ndim >= 4:
+        b = xp.reshape(xp.arange(count, dtype=i32, device=dev), (*lead, 1, 1, 1))
+    else:
+        b = xp.zeros((1,) * ndim, dtype=i32, device=dev)
+    if ndim >= 3:
+        h = xp.reshape(xp.arange(call.q_shape[-3], dtype=i32, device=dev), (call.q_shape[-3], 1, 1))
+    else:
+        h = xp.zeros((1, 1), dtype=i32, device=dev)
+    q_idx = xp.reshape(_positions(xp, rows, call.q_shape[-2], dev), (rows[1], 1))
+    kv_idx = xp.reshape(_positions(xp, cols, call.k_shape[-2], dev), (1, cols[1]))
+    return b, h, q_idx, kv_idx
+
+
+def _positions(xp: Any, span: tuple[Any, int], length: int, dev: Any) -> Any:
+    start, n = span
+    idx = xp.arange(n, dtype=xp.int32, device=dev) + start
+    if not isinstance(start, int) or start + n > length:
+        idx = xp.minimum(idx, max(length - 1, 0))
+    return xp.astype(idx, xp.int32, copy=False)
+
+
+def apply_score_mod(
+    call: Call, mods: Mods, s: Any, rows: tuple[Any, int], cols: tuple[Any, int]
+) -> Any:
+    """``score_mod`` of a block of scores ``s`` (the kernels' layout, heads grouped),
+    called in :func:`user_shape` and checked: the same shape, the scores' dtype."""
+    xp = call.xp
+    assert mods.score_mod is not None
+    shape = user_shape(call, rows[1], cols[1])
+    given = xp.reshape(s, shape)
+    got = mods.score_mod(given, *indices(call, rows, cols))
+    check_score_mod_result(got, shape, s.dtype)
+    return xp.reshape(got, tuple(s.shape))
+
+
+def block_mask(
+    call: Call,
+    mods: Mods,
+    rows: tuple[Any, int],
+    cols: tuple[Any, int],
+    layout: tuple[int, ...],
+    *,
+    slice_ids: Callable[[Any, tuple[Any, int]], Any] | None = None,
+) -> Any:
+    """The mask of segment ids (with causal/window within segments where they need
+    positions) and ``mask_mod`` on a block, broadcastable to ``layout`` (the kernels'
+    shape of the block of scores); None where neither is given. ``slice_ids(x, span)``
+    cuts ``span`` from the last axis of an ids array (default: a static slice)."""
+    xp = call.xp
+    cut = slice_ids or _cut
+    keep = None
+    if mods.q_ids is not None:
+        qi = cut(mods.q_ids, rows)
+        ki = cut(mods.kv_ids, cols)
+        heads = len(layout) - 2 - (qi.ndim - 1)
+        q_col = xp.reshape(qi, (*qi.shape[:-1], *(1,) * heads, rows[1], 1))
+        k_row = xp.reshape(ki, (*ki.shape[:-1], *(1,) * heads, 1, cols[1]))
+        keep = q_col == k_row
+        if mods.q_pos is not None:
+            qp = xp.reshape(cut(mods.q_pos, rows), tuple(q_col.shape))
+            kp = xp.reshape(cut(mods.kv_pos, cols), tuple(k_row.shape))
+            distance = kp - qp
+            left, right = call.band_sides
+            if left is not None:
+                keep = keep & (distance >= -left)
+            if right is not None:
+                keep = keep & (distance <= right)
+    if mods.mask_mod is not None:
+        shape = user_shape(call, rows[1], cols[1])
+        got = mods.mask_mod(*indices(call, rows, cols))
+        check_mask_mod_result(xp, got, shape)
+        got = xp.reshape(xp.broadcast_to(got, shape), layout)
+        keep = got if keep is None else keep & got
+    return keep
+
+
+def _cut(x: Any, span: tuple[Any, int]) -> Any:
+    start, n = span
+    return x[..., start : start + n]
+
+
+def check_score_mod_result(got: Any, shape: tuple[int, ...], dtype: Any) -> None:
+    """A score_mod must return the scores' shape and dtype."""
+    got_shape = getattr(got, "shape", None)
+    if got_shape is None or tuple(got_shape) != shape or got.dtype != dtype:
+        what = f"{type_name(got)}" if got_shape is None else f"{shape_of(got)} {got.dtype}"
+        msg = (
+            f"`score_mod` must return an array of the scores' shape and dtype ({shape} "
+            f"{dtype}), got {what}; return `score` modified elementwise (e.g. "
+            "`score + bias[h, q_idx, kv_idx]`), not a reduction or a Python number."
+        )
+        raise ValueError(msg) if got_shape is not None and got.dtype == dtype else TypeError(msg)
+
+
+def check_mask_mod_result(xp: Any, got: Any, shape: tuple[int, ...]) -> None:
+    """A mask_mod must return booleans that broadcast to the block's shape."""
+    got_shape = getattr(got, "shape", None)
+    if got_shape is None or not is_kind(xp, got.dtype, "bool"):
+        what = type_name(got) if got_shape is None else f"dtype {got.dtype}"
+        msg = (
+            f"`mask_mod` must return a boolean array (True = may attend), got {what}; "
+            "compare the indices, e.g. `q_idx >= kv_idx`."
+        )
+        raise TypeError(msg)
+    if not broadcasts(shape_of(got), shape):
+        msg = (
+            f"`mask_mod` returned shape {shape_of(got)}, which does not broadcast to the "
+            f"block of scores {shape} ([..., Hq, rows, cols])."
+        )
+        raise ValueError(msg)
+
+
+def backward_score_mod_error() -> ValueError:
+    """``attend_backward`` cannot differentiate a user's function."""
+    msg = (
+        "`attend_backward` does not take `score_mod`: its derivative needs autodiff. "
+        "Differentiate `attend(..., score_mod=...)` with torch autograd or `jax.grad` "
+        "(both give the score_mod's captured arrays their gradients too)."
+    )
+    return ValueError(msg)
+
+
+def unsupported(call: Call, kernel: str) -> str | None:
+    """Why a fused kernel (named ``kernel``) declines a call with sinks, segment ids or
+    mods (None: the call has none of them)."""
+    if call.score_mod or call.mask_mod:
+        return (
+            f"{kernel} takes no score_mod/mask_mod: the portable path applies them block by block"
+        )
+    if call.segments is not None:
+        return (
+            f"{kernel} takes no segment ids: the portable path builds each block's mask from "
+            "them and skips blocks with no matching pair"
+        )
+    if call.sinks_shape is not None:
+        return f"{kernel} has no attention sinks and returns no lse to merge them with"
+    return None
