@@ -253,7 +253,8 @@ def block_mask(
         shape = user_shape(call, rows[1], cols[1])
         got = mods.mask_mod(*indices(call, rows, cols))
         check_mask_mod_result(xp, got, shape)
-        got = xp.reshape(xp.broadcast_to(got, shape), layout)
+        if got.ndim > 2 and tuple(layout) != shape:  # per head: split like the scores' heads
+            got = xp.reshape(xp.broadcast_to(got, shape), layout)
         keep = got if keep is None else keep & got
     return keep
 
