@@ -157,6 +157,19 @@ def key_span(call: Call, rows: tuple[int, int]) -> tuple[int, int]:
     return start, max(start, stop)
 
 
+def full_columns(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:
+    """The keys ``(start, stop)`` within ``cols`` that ``causal``/``window`` keep for every
+    query of ``rows`` (``start >= stop``: none; ``cols`` itself without a band): a kernel
+    masks only the columns outside them."""
+    if not call.global_band or band_keeps_all(call):
+        return cols
+    left, right = window_sides(call)
+    offset = call.k_shape[-2] - call.q_shape[-2] if call.align == "lower_right" else 0
+    start = cols[0] if left is None else max(cols[0], rows[1] - 1 + offset - left)
+    stop = cols[1] if right is None else min(cols[1], rows[0] + offset + right + 1)
+    return start, max(start, stop)
+
+
 def structural_mask(
     call: Call,
     *,

@@ -363,6 +363,41 @@ def test_ulysses_mask_bias_and_weights() -> None:
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-12, err_msg=name)
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_sinks_segments_and_mods(method: str) -> None:
+    """Sinks on both methods (values and gradients of q, k, v and the sinks); Ulysses
+    with packed segment ids, a score_mod and a mask_mod that read the global head
+    number, against one device."""
+    mesh = mesh_of(4)
+    q, k, v, dout, _ = _inputs(("modern", method), jnp.float64, 8, 2, 48, 48)
+    sinks = jnp.asarray(rng_for("modern-sinks").standard_normal(8))
+    options: dict[str, Any] = {"causal": True}
+    if method == "ulysses":
+        ids = jnp.repeat(jnp.arange(5), jnp.asarray([7, 1, 0, 30, 10]), total_repeat_length=48)
+        slopes = jnp.linspace(0.1, 0.8, 8)
+        options |= {
+            "segment_ids": ids,
+            "score_mod": lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki),
+            "mask_mod": lambda b, h, qi, ki: (h < 6) | (qi - ki < 9),
+        }
+
+    def ours(q: Any, k: Any, v: Any, sinks: Any) -> Any:
+        return parallel.sharded_attend(
+            q, k, v, mesh=mesh, axis="s", method=method, sinks=sinks, **options
+        )
+
+    def ref(q: Any, k: Any, v: Any, sinks: Any) -> Any:
+        return pa.attend(q, k, v, sinks=sinks, **options)
+
+    with jax.set_mesh(mesh):
+        out, pull = jax.vjp(ours, q, k, v, sinks)
+        grads = pull(dout)
+    ref_out, ref_pull = jax.vjp(ref, q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-12)
+    for name, g, r in zip(["q", "k", "v", "sinks"], grads, ref_pull(dout), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-12, err_msg=name)
+
+
 def test_ulysses_dropout_draws_per_shard() -> None:
     mesh = mesh_of(4)
     q, k, v, _, _ = _inputs("ulysses-dropout", jnp.float32, 8, 8, 32, 32)

@@ -89,6 +89,12 @@ def _check_against_one_device(
         case, dt, (2, hq, lq, 8), (2, hk, lk, 8), (2, hk, lk, 6), (2, hq, lq, 6), (2, hq, lq)
     )
     dlse = dlse.float() if dtype == "bfloat16" else dlse
+    if options.get("sinks") == "random":  # the same sinks on every rank, one per head
+        (sinks,) = _tensors(case + "-sinks", dt, (hq,))
+        options = {**options, "sinks": sinks}
+    if options.get("segment_ids") == "packed":  # whole-sequence ids, as Ulysses takes them
+        ids = torch.repeat_interleave(torch.arange(6), torch.tensor([5, 1, 20, 0, 14, 24]))
+        options = {**options, "segment_ids": ids}
     for x in (q, k, v):
         x.requires_grad_()
     ref, ref_lse = pa.attend(q, k, v, return_lse=True, **options)
@@ -138,6 +144,7 @@ RING_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "mqa": ({"causal": True}, {"heads": (4, 1)}),
     "empty-rows": ({"causal": True}, {"lengths": (64, 32)}),
     "upper-left": ({"causal": "upper_left", "window": (9, None)}, {"lengths": (32, 64)}),
+    "sinks": ({"causal": True, "sinks": "random"}, {"heads": (4, 1)}),
 }
 
 
@@ -162,6 +169,11 @@ def _value_cases() -> dict[str, Callable[[dict[str, Any]], None]]:
         ),
         "ulysses-zigzag-softcap": ("zigzag", {"causal": True, "softcap": 4.0}, (4, 2)),
         "ulysses-contiguous-mqa": ("contiguous", {"causal": True}, (4, 1)),
+        "ulysses-zigzag-sinks-segments": (
+            "zigzag",
+            {"causal": True, "sinks": "random", "segment_ids": "packed"},
+            (4, 2),
+        ),
     }
     for case, (layout, options, heads) in ulysses.items():
         cases[case] = lambda ctx, c=case, lo=layout, o=options, h=heads: _check_against_one_device(

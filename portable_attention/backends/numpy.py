@@ -289,16 +289,19 @@ def _block(
         np.multiply(s, call.softcap * (_LOG2E if base2 else 1.0), out=s)
     if ops.bias is not None:
         np.add(s, _core.block_of(ops.bias, rows, cols), out=s)
-    allowed = _core.allowed(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
-    if mods is not None:
-        spans = ((rows[0], rows[1] - rows[0]), (cols[0], lk))
-        segments = _mods.block_mask(call, mods, *spans, tuple(s.shape))
-        allowed = segments if allowed is None else allowed & segments
-    if allowed is not None:
-        np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
-        # A row with no key would fail the row sums' check: go straight to the max pass
-        # (a pass over the booleans, against a second pass over the scores).
-        row_max = row_max or not allowed.any(axis=-1).all()
+    if ops.mask is None and mods is None:
+        row_max = _mask_band(call, s, rows, cols) or row_max
+    else:
+        allowed = _core.allowed(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+        if mods is not None:
+            spans = ((rows[0], rows[1] - rows[0]), (cols[0], lk))
+            segments = _mods.block_mask(call, mods, *spans, tuple(s.shape))
+            allowed = segments if allowed is None else allowed & segments
+        if allowed is not None:
+            np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
+            # A row with no key would fail the row sums' check: go straight to the max
+            # pass (a pass over the booleans, against a second pass over the scores).
+            row_max = row_max or not allowed.any(axis=-1).all()
     guarded = _core.rows_may_be_empty(call)
     m = None
     if row_max or keep is not None:
@@ -340,6 +343,29 @@ def _block(
         if has_key is not None:
             block_lse[~has_key] = -np.inf
         lse[..., r] = block_lse[..., 0]
+
+
+def _mask_band(call: _spec.Call, s: Any, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+    """``-inf`` where ``causal``/``window`` drop a score of the block ``s`` (keys
+    ``cols``), written only in the columns the band cuts: those it keeps for every row of
+    the block are left alone (at L=16384 causal, most of each row's key span). Returns
+    whether a row of the block may have no key (then the softmax takes its max pass)."""
+    full = _core.full_columns(call, rows, cols)
+    if full == cols:
+        return False
+    edges = [cols] if full[0] >= full[1] else [(cols[0], full[0]), (full[1], cols[1])]
+    empty = False
+    for edge in edges:
+        if edge[0] >= edge[1]:
+            continue
+        keep = _core.allowed(call, None, rows=rows, cols=edge)
+        if keep is None:
+            continue
+        part = s[..., edge[0] - cols[0] : edge[1] - cols[0]]
+        np.copyto(part, -np.inf, where=~np.broadcast_to(keep, part.shape))
+        if full[0] >= full[1]:  # no column kept for every row: a row may be empty
+            empty = not keep.any(axis=-1).all()
+    return empty
 
 
 def _segment_span(mods: Any, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:

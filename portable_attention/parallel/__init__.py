@@ -22,6 +22,7 @@ from typing import Any
 
 from portable_attention import _spec
 from portable_attention._checks import type_name
+from portable_attention._mods import add_sinks
 from portable_attention.parallel._layout import (
     LAYOUTS,
     check_layout,
@@ -94,6 +95,7 @@ def ring_attend(
     softcap: float | None = None,
     return_lse: bool = False,
     chunk_size: int | None = None,
+    sinks: Any = None,
 ) -> Any:
     """Ring attention over a sequence sharded across devices; called on every shard.
 
@@ -119,6 +121,10 @@ def ring_attend(
     causal, window, scale, softcap, chunk_size
         As :func:`portable_attention.attend`, in global positions (causal is lower-right
         over the global lengths ``P * L/P``).
+    sinks : float array ``[..., Hq]``, optional
+        Attention sinks as :func:`portable_attention.attend` takes them (the same array
+        on every shard): merged into each row's result after the ring, so its lse
+        includes them; differentiable.
     return_lse : bool
         Also return this shard's rows of the logsumexp ``[..., H, L/P]``.
 
@@ -154,13 +160,18 @@ def ring_attend(
         scale=scale,
         softcap=softcap,
         chunk_size=chunk_size,
-        return_lse=return_lse,
+        return_lse=return_lse or sinks is not None,
+        sinks=sinks,
     )
     _where(call.backend, axis_name, group, "ring_attend")
     module = _framework(call.backend, "ring_attend")
-    if call.backend == "jax":
-        return module.ring_attend(call, q, k, v, axis_name, layout)
-    return module.ring_attend(call, q, k, v, group, layout)
+    link = axis_name if call.backend == "jax" else group
+    result = module.ring_attend(call, q, k, v, link, layout)
+    if sinks is None:
+        return result
+    out, lse = result
+    out, _, lse = add_sinks(call, sinks, out, None, lse)
+    return (out, lse) if return_lse else out
 
 
 def _check_heads(hq: int, hk: int, size: int) -> None:
@@ -202,8 +213,11 @@ def ulysses_attend(
     **options
         Every option of :func:`portable_attention.attend`, with ``mask``/``bias``
         broadcastable to the **global** ``[..., Hq, Lq, Lk]`` in natural positions (each
-        shard takes its heads). ``rng``: JAX keys are folded with the shard index, so
-        each shard's heads draw their own dropout; torch ranks use their own generator.
+        shard takes its heads), ``sinks`` of the global heads, ``segment_ids`` of the
+        whole sequence in natural positions, and ``score_mod``/``mask_mod`` seeing the
+        global head numbers (a block plan must not depend on heads). ``rng``: JAX keys
+        are folded with the shard index, so each shard's heads draw their own dropout;
+        torch ranks use their own generator.
 
     Returns
     -------
@@ -249,6 +263,12 @@ def ulysses_attend(
         x = options.get(name)
         if x is not None and x.ndim >= 3 and x.shape[-3] == hq and hq != heads:
             options[name] = module.head_slice(x, index * heads, heads, -3)
+    sinks = options.get("sinks")
+    if sinks is not None and sinks.ndim >= 1 and sinks.shape[-1] == hq and hq != heads:
+        options["sinks"] = module.head_slice(sinks, index * heads, heads, -1)
+    for name in ("score_mod", "mask_mod"):
+        if callable(options.get(name)) and hq != heads:
+            options[name] = _global_heads(options[name], index * heads, name)
     if backend == "jax" and options.get("rng") is not None:
         options["rng"] = module.fold_rng(options["rng"], index)
     result = _attend(qh, kh, vh, options)
@@ -261,6 +281,22 @@ def ulysses_attend(
             item = permute(xp, item, size, layout, item.ndim + seq, inverse=False)
         back.append(module.heads_to_seq(item, link, heads=seq - 1, seq=seq))
     return tuple(back) if isinstance(result, tuple) else back[0]
+
+
+def _global_heads(mod: Any, first: Any, name: str) -> Any:
+    """A score_mod/mask_mod called with this shard's heads numbered as the global ones
+    (``h + first``)."""
+    if name == "score_mod":
+
+        def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return mod(score, b, h + first, q_idx, kv_idx)
+
+        return score_mod
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return mod(b, h + first, q_idx, kv_idx)
+
+    return mask_mod
 
 
 def _attend(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Any:
@@ -345,7 +381,7 @@ def sharded_attend(
     )
 
 
-_RING_OPTIONS = {"causal", "window", "scale", "softcap", "return_lse", "chunk_size"}
+_RING_OPTIONS = {"causal", "window", "scale", "softcap", "return_lse", "chunk_size", "sinks"}
 
 
 def reorder(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:

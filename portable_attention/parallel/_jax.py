@@ -342,7 +342,7 @@ def _place(x: Any, mesh: Any, spec: P) -> Any:
 
 #: Options of sharded_attend that are arrays (passed to the compiled function; the
 #: rest are static and key its cache).
-ARRAY_OPTIONS = ("mask", "bias", "rng")
+ARRAY_OPTIONS = ("mask", "bias", "rng", "sinks", "segment_ids")
 
 
 def _freeze(value: Any) -> Any:
