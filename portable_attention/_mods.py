@@ -76,18 +76,22 @@ def aligned_positions(xp: Any, ids: Any, align: str) -> Any:
     length = shape[-1]
     rows = xp.reshape(ids, (-1, length))
     n = rows.shape[0]
+    dev = _device(ids)
+    # int32 where the sort key fits (JAX without x64 has no int64), else int64.
+    it = xp.int32 if (length + 1) * (n + 1) < 2**31 else xp.int64
     if length == 0:
-        return xp.zeros(shape, dtype=xp.int64, device=_device(ids))
-    changes = xp.astype(rows[:, 1:] != rows[:, :-1], xp.int64)
-    first = xp.ones((n, 1), dtype=xp.int64, device=_device(ids))
+        return xp.zeros(shape, dtype=it, device=dev)
+    changes = xp.astype(rows[:, 1:] != rows[:, :-1], it)
+    first = xp.ones((n, 1), dtype=it, device=dev)
     run = xp.cumulative_sum(xp.concat([first, changes], axis=1), axis=1)
     # One sorted key over all rows: row r's runs are numbered after those of rows < r.
-    row = xp.reshape(xp.arange(n, dtype=xp.int64, device=_device(ids)), (n, 1))
+    row = xp.reshape(xp.arange(n, dtype=it, device=dev), (n, 1))
     key = xp.reshape(run + row * (length + 1), (-1,))
     side = "right" if align == "lower_right" else "left"
-    edge = xp.reshape(xp.searchsorted(key, key, side=side), (n, length)) - row * length
-    pos = xp.reshape(xp.arange(length, dtype=xp.int64, device=_device(ids)), (1, length))
-    return xp.reshape(pos - xp.astype(edge, xp.int64), shape)
+    found = xp.astype(xp.searchsorted(key, key, side=side), it)
+    edge = xp.reshape(found, (n, length)) - row * length
+    pos = xp.reshape(xp.arange(length, dtype=it, device=dev), (1, length))
+    return xp.reshape(pos - edge, shape)
 
 
 def _device(x: Any) -> Any:
