@@ -240,7 +240,8 @@ def block_mask(
     if mods.q_ids is not None:
         qi = cut(mods.q_ids, rows)
         ki = cut(mods.kv_ids, cols)
-        heads = len(layout) - 2 - (qi.ndim - 1)
+        # The ids' leading dims align with q's batch dims (from the right), then heads.
+        heads = len(layout) - 2 - len(call.q_shape[:-3])
         q_col = xp.reshape(qi, (*qi.shape[:-1], *(1,) * heads, rows[1], 1))
         k_row = xp.reshape(ki, (*ki.shape[:-1], *(1,) * heads, 1, cols[1]))
         keep = q_col == k_row

@@ -495,9 +495,9 @@ def validate_call(
         if x is None:  # check_arrays skips None (mask, bias): q, k, v are required
             _type_info(name, x)
     q_ids, kv_ids, segments = _segment_arrays(segment_ids)
-    xp, backend, device = check_arrays(
-        q=q, k=k, v=v, mask=mask, bias=bias, sinks=sinks, segment_ids=q_ids, kv_ids=kv_ids
-    )
+    id_names = ("segment_ids", "") if segments == "self" else ("segment_ids[0]", "segment_ids[1]")
+    ids = {id_names[0]: q_ids, id_names[1]: kv_ids} if segments is not None else {}
+    xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias, sinks=sinks, **ids)
     _check_dtypes(xp, q, k, v)
     _check_shapes(q, k, v)
     qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
@@ -570,7 +570,7 @@ def _check_segment_ids(
             f"{qs[-2]} queries and k {ks[-2]} keys; pass a pair `segment_ids=(q_ids, kv_ids)`."
         )
         raise ValueError(msg)
-    for name, x, length in zip(names, arrays, lengths, strict=True):
+    for index, (name, x, length) in enumerate(zip(names, arrays, lengths, strict=True)):
         if not is_kind(xp, x.dtype, "integral"):
             msg = (
                 f"`{name}` must be an integer array of segment ids, got dtype {x.dtype}; "
@@ -579,9 +579,7 @@ def _check_segment_ids(
             raise TypeError(msg)
         shape = shape_of(x)
         if len(shape) < 1 or shape[-1] != length or not broadcasts(shape[:-1], batch):
-            what = (
-                "[..., L]" if form == "self" else "[..., Lq]" if length == qs[-2] else "[..., Lk]"
-            )
+            what = "[..., L]" if form == "self" else ("[..., Lq]", "[..., Lk]")[index]
             msg = (
                 f"`{name}` must have shape {what} with leading dims that broadcast to q's "
                 f"batch dims {batch} (ids are per batch row, shared by the heads), got "
