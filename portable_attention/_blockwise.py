@@ -220,11 +220,10 @@ def forward(
             m = m_new
         if summed:
             acc, total = acc[..., :dv], acc[..., dv:]
-        has_key = total != 0  # NaN rows keep NaN, as in dense
-        total_safe = xp.where(has_key, total, 1.0)
-        m_safe = 0.0 if bounded else xp.where(xp.isfinite(m), m, 0.0)
+        shift = None if bounded else xp.where(xp.isfinite(m), m, 0.0)
+        total_safe, block_lse = _core.finish_rows(xp, total, shift)
         out_blocks.append(acc / total_safe)
-        lse_blocks.append(xp.where(has_key, xp.log(total_safe) + m_safe, -xp.inf)[..., 0])
+        lse_blocks.append(block_lse[..., 0])
     out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
     lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
     if query_blocks is not None:

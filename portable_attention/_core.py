@@ -413,11 +413,22 @@ def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
         return e, denom, (xp.log(denom) + m)[..., 0]
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
     e = xp.exp(s - m_safe)
-    denom = xp.sum(e, axis=-1, keepdims=True)
-    has_key = denom != 0  # NaN rows keep NaN (lse too); only empty rows get -inf
-    denom_safe = xp.where(has_key, denom, 1.0)
-    lse = xp.where(has_key, xp.log(denom_safe) + m_safe, -xp.inf)
+    denom_safe, lse = finish_rows(xp, xp.sum(e, axis=-1, keepdims=True), m_safe)
     return e, denom_safe, lse[..., 0]
+
+
+def finish_rows(xp: Any, total: Any, shift: Any) -> tuple[Any, Any]:
+    """``(denominator, lse)`` of rows from their sums ``total`` of ``exp(s - shift)``
+    (``shift`` an array, a number, or None for 0), as every kernel finishes them: a row
+    with no key (sum 0) gets denominator 1, so its weights and output are 0, and lse
+    ``-inf``; NaN rows keep NaN (lse too). Each ``log`` and division sees a safe operand
+    selected by ``where``, so gradients through it are finite."""
+    has_key = total != 0
+    total_safe = xp.where(has_key, total, 1.0)
+    lse = xp.log(total_safe)
+    if shift is not None:
+        lse = lse + shift
+    return total_safe, xp.where(has_key, lse, -xp.inf)
 
 
 def auto_chunk(call: Call, budget: int = CHUNK_BUDGET) -> int:

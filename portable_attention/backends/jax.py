@@ -599,11 +599,8 @@ def _scan_forward(
 
     (acc, m, total), _ = jax.lax.scan(step, init, g.pairs(by_keys=False))
     acc, m, total = acc[..., : g.lq, :], m[..., : g.lq, :], total[..., : g.lq, :]
-    has_key = total != 0
-    total_safe = jnp.where(has_key, total, 1.0)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    lse = jnp.where(has_key, jnp.log(total_safe) + m_safe, -jnp.inf)[..., 0]
-    return _core._finish(call, acc / total_safe, lse)
+    total_safe, lse = _core.finish_rows(jnp, total, jnp.where(jnp.isfinite(m), m, 0.0))
+    return _core._finish(call, acc / total_safe, lse[..., 0])
 
 
 def _scan_backward(

@@ -323,9 +323,8 @@ def _block(
     if m is None and not _sums_in_range(total, block_sum):
         _block(call, ops, rows, keep, out, weights, lse, mods, row_max=True)
         return
-    has_key = total != 0 if guarded and m is not None else None  # NaN rows stay NaN
-    if has_key is not None:
-        total[~has_key] = 1.0
+    shift = None if m is None else (m * _LN2 if base2 else m)
+    total, block_lse = _core.finish_rows(np, total, shift)  # [..., rows, 1]: a small pass
     if weights is not None:
         if narrow:
             weights[..., r, : cols[0]] = 0
@@ -337,11 +336,6 @@ def _block(
         block_sum = np.matmul(s, vb)
     np.divide(block_sum, total, out=out[..., r, :])
     if lse is not None:
-        block_lse = np.log(total)
-        if m is not None:
-            block_lse += (m * _LN2) if base2 else m
-        if has_key is not None:
-            block_lse[~has_key] = -np.inf
         lse[..., r] = block_lse[..., 0]
 
 
