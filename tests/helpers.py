@@ -11,7 +11,8 @@ from typing import Any
 
 import array_api_compat
 import numpy as np
-from portable_attention.testing import tolerance
+from array_api_extra.testing import assert_equal
+from portable_attention.testing import to_numpy, tolerance
 
 from conftest import Backend, compute_dtype_name
 
@@ -37,6 +38,19 @@ def assert_like(
     assert tuple(result.shape) == tuple(shape), f"{name}: shape {tuple(result.shape)} != {shape}"
     dev, want = array_api_compat.device(result), array_api_compat.device(like)
     assert dev == want, f"{name}: device {dev} != {want}"
+
+
+def assert_same(actual: Any, desired: Any) -> None:
+    """Two arrays of one framework are equal, in its namespace: the same type, dtype,
+    shape and values (``array_api_extra.testing.assert_equal``; NaN equals NaN).
+    bfloat16, which array-api-extra cannot take through DLPack to NumPy, is compared
+    after ``to_numpy`` (ml_dtypes), its type, dtype and shape checked first."""
+    if "bfloat16" not in str(actual.dtype):
+        assert_equal(actual, desired)
+        return
+    assert type(actual) is type(desired), (type(actual), type(desired))
+    assert actual.dtype == desired.dtype and tuple(actual.shape) == tuple(desired.shape)
+    np.testing.assert_array_equal(to_numpy(actual), to_numpy(desired))
 
 
 def assert_close(

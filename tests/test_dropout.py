@@ -10,7 +10,7 @@ from portable_attention import attend
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
-from helpers import assert_close, assert_like, randn, rng_for
+from helpers import assert_close, assert_like, assert_same, randn, rng_for
 
 P = 0.3
 
@@ -28,7 +28,7 @@ def test_p_zero_is_identity(backend: Backend, float_dtype: str) -> None:
     for kwargs in ({"dropout": 0.0}, {"dropout": 0.0, "rng": backend.make_rng(3)}, {"dropout": 0}):
         res = attend(q, k, v, return_weights=True, return_lse=True, **kwargs)
         for a, b in zip(res, plain, strict=True):
-            np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+            assert_same(a, b)
 
 
 def test_jax_p_zero_needs_no_rng() -> None:
@@ -44,7 +44,7 @@ def test_same_seed_same_output(backend: Backend, hp_dtype: str) -> None:
     b = attend(q, k, v, dropout=P, rng=backend.make_rng(7))
     c = attend(q, k, v, dropout=P, rng=backend.make_rng(8))
     assert_like(a, q, shape=(2, 2, 4, 3), dtype=backend.dtype(hp_dtype))
-    np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+    assert_same(a, b)
     assert not np.array_equal(backend.to_numpy(a), backend.to_numpy(c)), "seed has no effect"
     plain = attend(q, k, v)
     assert not np.allclose(backend.to_numpy(a), backend.to_numpy(plain)), "no dropout applied"
@@ -56,8 +56,8 @@ def test_half_dtypes_same_seed(backend: Backend, float_dtype: str) -> None:
     b, wb = attend(q, k, v, dropout=P, rng=backend.make_rng(1), return_weights=True)
     assert_like(a, q, shape=(2, 2, 4, 3), dtype=backend.dtype(float_dtype))
     assert_like(wa, q, shape=(2, 2, 4, 6), dtype=backend.dtype(float_dtype))
-    np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
-    np.testing.assert_array_equal(backend.to_numpy(wa), backend.to_numpy(wb))
+    assert_same(a, b)
+    assert_same(wa, wb)
 
 
 def test_stateful_generator_advances(backend: Backend) -> None:

@@ -16,7 +16,7 @@ from portable_attention.backends import numpy as numpy_backend
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
-from helpers import assert_close, assert_like, randn, rng_for, run_python
+from helpers import assert_close, assert_like, assert_same, randn, rng_for, run_python
 
 
 def _qkv(backend: Backend, shape_q: tuple, shape_kv: tuple, dtype: str = "float32") -> tuple:
@@ -717,7 +717,7 @@ def test_jax_native_compiles_once_when_eager() -> None:
     finally:
         monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    np.testing.assert_array_equal(backend.to_numpy(again), backend.to_numpy(first))
+    assert_same(again, first)
 
 
 class _UnhashableDevice:
