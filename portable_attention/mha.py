@@ -12,15 +12,21 @@ Parameters are a plain ``dict`` of arrays, applied as ``x @ w + b`` on batch-fir
 | ``w_v`` | ``(vdim, Hk * Dv)``| value projection (``Dv == D`` from :func:`init_params`)     |
 | ``w_o`` | ``(Hq * Dv, E)``   | output projection                                           |
 | ``b_q`` | ``(Hq * D,)``      | optional bias of ``w_q`` (likewise ``b_k``, ``b_v``, ``b_o``) |
+| ``sinks`` | ``(Hq,)``        | optional learned attention sinks: ``attend(sinks=...)``     |
 
 ``Hq`` is ``num_heads``, ``Hk`` is ``num_kv_heads`` (default ``Hq``; ``Hq % Hk == 0`` gives
 grouped-query attention, ``Hk == 1`` multi-query). Attention itself is :func:`attend`, so
 every fast path, mask rule and the "no key left gives 0" rule carry over.
+
+``sinks`` (gpt-oss's learned attention sinks) holds one logit per query head, added to
+every softmax denominator of that head (:func:`attend`'s ``sinks=``): the weights of a row
+then sum to less than 1, and a row with no key left gives 0.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import array_api_compat
@@ -37,6 +43,10 @@ __all__ = ["MultiHeadAttention", "dropout", "init_params", "multi_head_attention
 
 WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 BIASES = ("b_q", "b_k", "b_v", "b_o")
+#: The optional learned attention sinks, ``(num_heads,)``.
+SINKS = "sinks"
+#: Every parameter name of the state format.
+PARAM_NAMES = (*WEIGHTS, *BIASES, SINKS)
 
 
 def _split_heads(xp: Any, x: Any, heads: int) -> Any:
@@ -68,18 +78,24 @@ def multi_head_attention(
     mask: Any = None,
     bias: Any = None,
     causal: bool | str = False,
+    window: int | tuple[int | None, int | None] | None = None,
     key_padding_mask: Any = None,
     dropout: float = 0.0,
     rng: Any = None,
     return_weights: bool = False,
+    segment_ids: Any = None,
+    score_mod: Callable[..., Any] | None = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Multi-head attention: project, split heads, :func:`attend`, merge heads, project.
 
     Parameters
     ----------
     params : dict of arrays
-        ``w_q, w_k, w_v, w_o`` and optional ``b_q, b_k, b_v, b_o`` (see the module
-        docstring), same framework and dtype as ``query``.
+        ``w_q, w_k, w_v, w_o``, optional ``b_q, b_k, b_v, b_o`` and optional ``sinks``
+        ``(num_heads,)`` (see the module docstring), same framework and dtype as
+        ``query``. ``sinks`` go to :func:`attend` as ``sinks=``: one learned logit per
+        query head added to each softmax denominator.
     query : array ``[B, Lq, E]``
     key : array ``[B, Lk, kdim]``, optional
         Defaults to ``query`` (self-attention).
@@ -95,6 +111,8 @@ def multi_head_attention(
         Additive score bias broadcastable to ``[B, Hq, Lq, Lk]`` (``-inf`` masks).
     causal : bool or {"lower_right", "upper_left"}
         As in :func:`attend`.
+    window : int or (left, right), optional
+        Sliding-window attention, as in :func:`attend` (combines with ``causal``).
     key_padding_mask : bool array ``[B, Lk]``, optional
         **True marks a real key** (may be attended), False a padding position; becomes a
         ``[B, 1, 1, Lk]`` mask combined (logical and) with ``mask``. This is the
@@ -102,7 +120,17 @@ def multi_head_attention(
     dropout, rng
         Dropout on the attention weights and the framework's RNG, as in :func:`attend`.
     return_weights : bool
-        Also return the per-head attention weights ``[B, Hq, Lq, Lk]`` (before dropout).
+        Also return the per-head attention weights ``[B, Hq, Lq, Lk]`` (before dropout;
+        with ``sinks`` a row sums to less than 1).
+    segment_ids : int array ``[B, L]`` or a pair ``(q_ids [B, Lq], kv_ids [B, Lk])``, optional
+        Packed sequences, as in :func:`attend`: a query attends only the keys of its own
+        segment (a contiguous run of equal ids in its batch row); ``causal`` and
+        ``window`` align within each segment. A leading dim of 1 (or none) shares the
+        ids across the batch.
+    score_mod, mask_mod : optional
+        FlexAttention-style mods, as in :func:`attend`, on the per-head scores
+        ``[B, Hq, Lq, Lk]`` (``b`` indexes the batch, ``h`` the query heads); ``mask_mod``
+        may be a :func:`portable_attention.masks.block_plan` of ``(Lq, Lk)``.
 
     Returns
     -------
@@ -129,9 +157,14 @@ def multi_head_attention(
         mask=mask,
         bias=bias,
         causal=causal,
+        window=window,
         dropout=dropout,
         rng=rng,
         return_weights=return_weights,
+        sinks=params.get(SINKS),
+        segment_ids=segment_ids,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
     out, weights = result if return_weights else (result, None)
     out = _project(xp, _merge_heads(xp, out), params, "w_o", "b_o")
@@ -152,12 +185,13 @@ def init_params(
     kdim: int | None = None,
     vdim: int | None = None,
     bias: bool = True,
+    sinks: bool = False,
     xp: Any = None,
     dtype: Any = None,
     device: Any = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Fresh parameters: Xavier-uniform weights and zero biases.
+    """Fresh parameters: Xavier-uniform weights, zero biases and zero sinks.
 
     Weights are drawn in float64 with ``numpy.random.default_rng(seed)`` in the order
     ``w_q, w_k, w_v, w_o`` (so the same seed gives the same values on every framework),
@@ -173,6 +207,12 @@ def init_params(
         Input widths of key and value (default ``E``).
     bias : bool
         Include ``b_q, b_k, b_v, b_o`` (zeros).
+    sinks : bool
+        Include learned attention sinks ``sinks`` ``(num_heads,)``, zeros: a sink of
+        logit 0 adds ``exp(0) = 1`` to each softmax denominator of its head (gpt-oss's
+        learned sinks start near 0), so a fresh module already gives each row weights
+        summing to less than 1. Drawing no random numbers, they leave the weights as they
+        are for the same seed.
     xp : namespace or framework module, optional
         Where the arrays go (NumPy when None).
     dtype, device : optional
@@ -204,6 +244,8 @@ def init_params(
             "b_v": np.zeros(hk * d),
             "b_o": np.zeros(embed_dim),
         }
+    if _checks.flag("sinks", sinks):
+        host[SINKS] = np.zeros(num_heads)
     kwargs = {} if device is None else {"device": device}
     params = {n: ns.asarray(a.astype(np.float64), dtype=dtype, **kwargs) for n, a in host.items()}
     _check_made_dtype(params["w_q"].dtype, dtype)
@@ -214,7 +256,9 @@ class MultiHeadAttention:
     """Multi-head attention holding its parameters as a ``dict`` of arrays of any array-API
     framework (NumPy, CuPy, array_api_strict, ...); no autograd, no training mode.
 
-    Calls :func:`multi_head_attention`; see it for the arguments of ``__call__``.
+    Calls :func:`multi_head_attention`; see it for the arguments of ``__call__``, and
+    :func:`init_params` for those of the constructor (``sinks=True`` adds learned
+    attention sinks, one per query head, starting at 0).
     """
 
     def __init__(
@@ -227,6 +271,7 @@ class MultiHeadAttention:
         bias: bool = True,
         dropout: float = 0.0,
         *,
+        sinks: bool = False,
         xp: Any = None,
         dtype: Any = None,
         device: Any = None,
@@ -243,6 +288,7 @@ class MultiHeadAttention:
             kdim=kdim,
             vdim=vdim,
             bias=bias,
+            sinks=sinks,
             xp=xp,
             dtype=dtype,
             device=device,
@@ -258,9 +304,13 @@ class MultiHeadAttention:
         mask: Any = None,
         bias: Any = None,
         causal: bool | str = False,
+        window: int | tuple[int | None, int | None] | None = None,
         key_padding_mask: Any = None,
         rng: Any = None,
         return_weights: bool = False,
+        segment_ids: Any = None,
+        score_mod: Callable[..., Any] | None = None,
+        mask_mod: Any = None,
     ) -> Any:
         """Attention with this object's parameters; ``dropout`` applies when it is > 0."""
         return multi_head_attention(
@@ -273,10 +323,14 @@ class MultiHeadAttention:
             mask=mask,
             bias=bias,
             causal=causal,
+            window=window,
             key_padding_mask=key_padding_mask,
             dropout=self.dropout,
             rng=rng,
             return_weights=return_weights,
+            segment_ids=segment_ids,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -286,7 +340,9 @@ class MultiHeadAttention:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the parameters with ``state`` (any framework's arrays, e.g. from
         ``state_dict_portable()`` of the torch module), converted to this object's namespace,
-        dtype and device. Keys and shapes must match the current ones."""
+        dtype and device. Keys and shapes must match the current ones (``sinks`` only
+        into an object built with ``sinks=True``)."""
+        check_state_sinks(state, self.params, self.num_heads)
         _checks.check_state_keys(state, self.params)
         new = {}
         for name, old in self.params.items():
@@ -413,6 +469,7 @@ def _check_mha_call(
             "w_v (vdim, Hk*Dv), w_o (Hq*Dv, E)"
         )
         raise ValueError(msg)
+    _check_params_sinks(params, num_heads)
     for name, arr in params.items():
         if arr is not None and arr.dtype != query.dtype:
             msg = f"`params[{name!r}]` has dtype {arr.dtype}, `query` has {query.dtype}; cast one"
@@ -429,6 +486,47 @@ def _check_mha_call(
     scores = (query.shape[0], num_heads, query.shape[1], key.shape[1])
     check_mask_bias(xp, mask, bias, query.dtype, scores)
     return xp
+
+
+def _check_params_sinks(params: dict[str, Any], num_heads: int) -> None:
+    """``params['sinks']``, where present: an array ``(num_heads,)``, one logit per query
+    head (its framework and dtype are checked with the other parameters)."""
+    sinks = params.get(SINKS)
+    if sinks is None:
+        return
+    shape = getattr(sinks, "shape", None)
+    if shape is None or tuple(shape) != (num_heads,):
+        got = type(sinks).__name__ if shape is None else f"shape {tuple(shape)}"
+        msg = (
+            f"`params['sinks']` must be an array [num_heads] = ({num_heads},): one learned "
+            f"attention-sink logit per query head, got {got}; make it with "
+            "`init_params(..., sinks=True)` or drop the key for no sinks."
+        )
+        raise ValueError(msg)
+
+
+def check_state_sinks(state: Any, expected: Any, num_heads: int) -> None:
+    """A state to load into a multi-head module (``expected``: the module's parameter
+    names) has ``sinks`` exactly where the module does, of shape ``(num_heads,)``."""
+    has, wants = SINKS in state, SINKS in expected
+    if has != wants:
+        msg = (
+            f"`state` has no 'sinks' but the module was built with `sinks=True`; build it "
+            f"with `sinks=False` or add `state['sinks']` [num_heads] = ({num_heads},)"
+            if wants
+            else "`state` has 'sinks' (learned attention sinks) but the module was built "
+            "without them; build it with `sinks=True` to load them"
+        )
+        raise ValueError(msg)
+    if has:
+        shape = getattr(state[SINKS], "shape", None)
+        if shape is None or tuple(shape) != (num_heads,):
+            got = type(state[SINKS]).__name__ if shape is None else f"shape {tuple(shape)}"
+            msg = (
+                f"`state['sinks']` must be [num_heads] = ({num_heads},): one attention-sink "
+                f"logit per query head, got {got}"
+            )
+            raise ValueError(msg)
 
 
 def _check_mha_sizes(

@@ -116,3 +116,121 @@ def test_dropout_without_keys_says_how_to_give_them() -> None:
     assert m(x, rng=jax.random.key(0)).shape == x.shape
     m.eval()
     assert m(x).shape == x.shape
+
+
+SINK_VALUES = np.array([0.7, -1.5, 2.5, 0.0])  # one logit per query head (Hq = 4)
+
+
+def _heads(x: np.ndarray, heads: int) -> np.ndarray:
+    """``[B, L, H * D] -> [B, H, L, D]``."""
+    b, length, width = x.shape
+    return x.reshape(b, length, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def _sink_module() -> Any:
+    """A float64 module with sinks set to distinct values (and non-zero biases)."""
+    import jax.numpy as jnp
+
+    m = _module(sinks=True, seed=5, dtype=jnp.float64)
+    m.sinks[...] = jnp.asarray(SINK_VALUES)
+    m.b_q[...] = jnp.linspace(-0.2, 0.2, 16)
+    return m
+
+
+def test_sinks_match_oracle_get_gradients_and_train() -> None:
+    """The ``sinks`` param under ``nnx.jit``: the output equals the float64 oracle on the
+    projected heads; its ``nnx.grad`` gradient equals ``oracle.sink_grads`` (a query with
+    no key included); one optax SGD step moves it by ``-lr * grad``. (Eager forward with
+    sinks: ``test_mha``; one jitted step keeps this test fast.)"""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    m = _sink_module()
+    assert m.params()["sinks"].shape == (4,) and "sinks" in m.state_dict()
+    rng = np.random.default_rng(3)
+    x, w_loss = rng.standard_normal((2, 8, 16)), rng.standard_normal((2, 8, 16))
+    kpm = np.ones((2, 8), dtype=bool)
+    kpm[0, 0] = kpm[1, 6:] = False
+
+    def loss(mod: Any, a: Any) -> Any:
+        out = mod(a, key_padding_mask=jnp.asarray(kpm), causal=True)
+        return (out * jnp.asarray(w_loss)).sum(), out
+
+    p = {n: np.asarray(a) for n, a in m.params().items()}
+    q, k, v = (_heads(x @ p[f"w_{n}"] + p[f"b_{n}"], h) for n, h in (("q", 4), ("k", 2), ("v", 2)))
+    mask = kpm[:, None, None, :]
+    att = oracle.attention(q, k, v, mask=mask, causal=True, sinks=SINK_VALUES)[0]
+    ref = att.transpose(0, 2, 1, 3).reshape(2, 8, 16) @ p["w_o"] + p["b_o"]
+    (_, out), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(m, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-10, atol=1e-12)
+    want = oracle.sink_grads(
+        q, k, v, _heads(w_loss @ p["w_o"].T, 4), sinks=SINK_VALUES, mask=mask, causal=True
+    )
+    assert np.abs(want).min() > 1e-3
+    np.testing.assert_allclose(np.asarray(grads["sinks"][...]), want, rtol=1e-9, atol=1e-12)
+    optimizer = nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer.update(m, grads)
+    np.testing.assert_allclose(np.asarray(m.sinks[...]), SINK_VALUES - 0.1 * want, rtol=1e-12)
+
+
+def test_segment_ids_and_mask_mod_through_the_module_under_jit() -> None:
+    """Under ``nnx.jit`` (ids traced): packed sequences (causal, a window, sinks) equal
+    the float64 oracle run on each sequence alone; a ``mask_mod`` and its block plan equal
+    the dense mask they stand for."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from portable_attention import masks
+
+    m = _sink_module()
+    p = {n: np.asarray(a) for n, a in m.params().items()}
+    x = np.random.default_rng(4).standard_normal((2, 8, 16))
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 7, 7, 7, 7]])
+    runs = [[(0, 3), (3, 5), (5, 8)], [(0, 4), (4, 8)]]
+    packed = nnx.jit(lambda mod, a, s: mod(a, segment_ids=s, causal=True, window=(2, 0)))(
+        m, jnp.asarray(x), jnp.asarray(ids)
+    )
+    want = np.zeros_like(x)
+    for row, spans in enumerate(runs):
+        for start, end in spans:
+            seg = x[row : row + 1, start:end]
+            q, k, v = (
+                _heads(seg @ p[f"w_{n}"] + p[f"b_{n}"], h)
+                for n, h in (("q", 4), ("k", 2), ("v", 2))
+            )
+            att = oracle.attention(q, k, v, causal=True, window=(2, 0), sinks=SINK_VALUES)[0]
+            merged = att.transpose(0, 2, 1, 3).reshape(1, end - start, 16)
+            want[row : row + 1, start:end] = merged @ p["w_o"] + p["b_o"]
+    np.testing.assert_allclose(np.asarray(packed), want, rtol=1e-10, atol=1e-12)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) | (h == 0)  # head 0 sees every key, the others causal
+
+    dense = (np.arange(8)[None, :] <= np.arange(8)[:, None])[None] | (np.arange(4) == 0)[
+        :, None, None
+    ]
+    xj = jnp.asarray(x)
+    plan = masks.block_plan(mask_mod, 8, 8, heads=4, block_size=4, like=xj)
+    with_mask = nnx.jit(lambda mod, a, mk: mod(a, mask=mk))(m, xj, jnp.asarray(dense))
+    for mod_ in (mask_mod, plan):
+        got = nnx.jit(lambda mod, a, mm=mod_: mod(a, mask_mod=mm))(m, xj)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(with_mask), rtol=1e-12, atol=1e-13)
+
+
+def test_sinks_state_dict_round_trip_and_errors() -> None:
+    import jax.numpy as jnp
+
+    m = _sink_module()
+    other = _module(sinks=True, seed=1, dtype=jnp.float64)
+    other.load_state_dict(m.state_dict())
+    np.testing.assert_array_equal(np.asarray(other.sinks[...]), SINK_VALUES)
+    for name, value in m.state_dict().items():  # every parameter, hence the same outputs
+        np.testing.assert_array_equal(other.state_dict()[name], value)
+    with pytest.raises(ValueError, match=r"`state` has no 'sinks'.*`sinks=True`"):
+        m.load_state_dict({n: a for n, a in m.state_dict().items() if n != "sinks"})
+    with pytest.raises(ValueError, match=r"`state\['sinks'\]` must be \[num_heads\] = \(4,\)"):
+        m.load_state_dict({**m.state_dict(), "sinks": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"`state` has 'sinks'.*build it with `sinks=True`"):
+        _module().load_state_dict(m.state_dict())
+    with pytest.raises(TypeError, match="`sinks` must be True or False"):
+        _module(sinks=1)

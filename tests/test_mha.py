@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import mha
+from portable_attention.masks import block_plan
 
 import oracle
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
@@ -33,30 +34,53 @@ def oracle_mha(
     mask: np.ndarray | None = None,
     causal: bool | str = False,
     key_padding_mask: np.ndarray | None = None,
+    **attention_options: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Float64 MHA written out with NumPy: projections, heads, ``oracle.attention``."""
+    """Float64 MHA written out with NumPy: projections, heads, ``oracle.attention``
+    (``params['sinks']`` as its ``sinks``; ``attention_options`` such as ``window``,
+    ``segment_ids`` or ``mask_mod`` passed on to it)."""
+    p = {n: np.asarray(a, dtype=np.float64) for n, a in params.items()}
+    q, k, v = oracle_heads(p, query, key, value, num_heads, num_kv_heads)
+    full = mask
+    if key_padding_mask is not None:
+        kpm = key_padding_mask[:, None, None, :]
+        full = kpm if full is None else (full & kpm)
+    out, weights, _ = oracle.attention(
+        q, k, v, mask=full, causal=causal, sinks=p.get("sinks"), **attention_options
+    )
+    bsz, h, lq, dv = out.shape
+    merged = out.transpose(0, 2, 1, 3).reshape(bsz, lq, h * dv)
+    o = merged @ p["w_o"]
+    return (o + p["b_o"] if "b_o" in p else o), weights
+
+
+def oracle_heads(
+    params: dict[str, np.ndarray],
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The float64 projected heads ``q [B, Hq, Lq, D]``, ``k``, ``v [B, Hk, Lk, D]``."""
     p = {n: np.asarray(a, dtype=np.float64) for n, a in params.items()}
 
     def proj(x: np.ndarray, w: str, b: str) -> np.ndarray:
         y = np.einsum("ble,ef->blf", np.asarray(x, dtype=np.float64), p[w])
         return y + p[b] if b in p else y
 
-    def heads(x: np.ndarray, h: int) -> np.ndarray:
-        bsz, length, width = x.shape
-        return x.reshape(bsz, length, h, width // h).transpose(0, 2, 1, 3)
+    return (
+        split_heads64(proj(query, "w_q", "b_q"), num_heads),
+        split_heads64(proj(key, "w_k", "b_k"), num_kv_heads),
+        split_heads64(proj(value, "w_v", "b_v"), num_kv_heads),
+    )
 
-    q = heads(proj(query, "w_q", "b_q"), num_heads)
-    k = heads(proj(key, "w_k", "b_k"), num_kv_heads)
-    v = heads(proj(value, "w_v", "b_v"), num_kv_heads)
-    full = mask
-    if key_padding_mask is not None:
-        kpm = key_padding_mask[:, None, None, :]
-        full = kpm if full is None else (full & kpm)
-    out, weights, _ = oracle.attention(q, k, v, mask=full, causal=causal)
-    bsz, h, lq, dv = out.shape
-    merged = out.transpose(0, 2, 1, 3).reshape(bsz, lq, h * dv)
-    o = merged @ p["w_o"]
-    return (o + p["b_o"] if "b_o" in p else o), weights
+
+def split_heads64(x: np.ndarray, heads: int) -> np.ndarray:
+    """``[B, L, H * D] -> [B, H, L, D]`` in float64."""
+    bsz, length, width = x.shape
+    x = np.asarray(x, dtype=np.float64)
+    return x.reshape(bsz, length, heads, width // heads).transpose(0, 2, 1, 3)
 
 
 # (num_heads, num_kv_heads, embed_dim, kdim, vdim, bias, Lq, Lk, self-attention, options)
@@ -772,3 +796,382 @@ def test_framework_modules_live_in_nn_which_imports_no_framework() -> None:
         "print(sorted(m for m in ('torch', 'jax', 'flax') if m in sys.modules))\n"
     )
     assert out.strip() == "[]"
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 18 through the modules: learned sinks, window, segment_ids, score_mod, mask_mod
+
+SINK_VALUES = np.array([0.7, -1.5, 2.5, 0.0])  # one logit per query head (Hq = 4)
+
+
+def _packed_inputs() -> tuple[np.ndarray, np.ndarray, list[list[tuple[int, int]]]]:
+    """``x [2, 8, 16]``, packed ids ``[2, 8]`` and each row's ``(start, end)`` runs."""
+    x = rng_for("mha", "packed").standard_normal((2, 8, 16))
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 7, 7, 7, 7]])
+    runs = [[(0, 3), (3, 5), (5, 8)], [(0, 4), (4, 8)]]
+    return x, ids, runs
+
+
+def _each_alone(call: Any, x: np.ndarray, runs: list[list[tuple[int, int]]], to: Any) -> np.ndarray:
+    """``call`` on every packed sequence of ``x`` alone, put back in place (float64)."""
+    out = np.zeros_like(x)
+    for row, spans in enumerate(runs):
+        for start, end in spans:
+            out[row : row + 1, start:end] = call(to(x[row : row + 1, start:end]))
+    return out
+
+
+def _head_mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Causal for heads 1.., everything for head 0 (reads ``h``: the query heads)."""
+    return (kv_idx <= q_idx) | (h == 0)
+
+
+def _head_mask(heads: int, lq: int, lk: int) -> np.ndarray:
+    causal = np.arange(lk)[None, :] <= np.arange(lq)[:, None]
+    return causal[None] | (np.arange(heads) == 0)[:, None, None]  # [Hq, Lq, Lk]
+
+
+def _sink_params(e: int = 16, hq: int = 4, hk: int = 2, seed: int = 3) -> dict[str, np.ndarray]:
+    params = mha.init_params(e, hq, num_kv_heads=hk, sinks=True, dtype=np.float64, seed=seed)
+    params["sinks"] = SINK_VALUES[:hq].copy()
+    params["b_q"] = 0.1 * rng_for("mha", "b_q").standard_normal(params["b_q"].shape)
+    return params
+
+
+def test_sinks_in_params_match_oracle(backend: Backend, hp_dtype: str) -> None:
+    """``params['sinks']`` reach attend: out and weights equal the float64 oracle's (a
+    softmax with one more column per head), self-attention (grouped heads, causal, padding)
+    and cross-attention (``kdim != E``, a mask too); rows sum to less than 1, and a query with
+    no key left (key 0 padded, causal) gives exactly the output bias."""
+    rng = rng_for("mha", "sinks-oracle")
+    self_params = _sink_params()
+    self_params["b_o"] = 0.1 * rng.standard_normal(16)
+    wide = mha.init_params(16, 4, num_kv_heads=2, kdim=12, vdim=12, dtype=np.float64)
+    cross_params = {**_sink_params(), "w_k": wide["w_k"], "w_v": wide["w_v"]}
+    x = rng.standard_normal((2, 8, 16))
+    kv = rng.standard_normal((2, 8, 12))
+    kpm = np.ones((2, 8), dtype=bool)
+    kpm[0, 0] = kpm[1, 6:] = False
+    mask = rng.random((8, 8)) > 0.4
+    cases = {
+        "self": (self_params, x, x, {"causal": True, "key_padding_mask": kpm}),
+        "cross": (cross_params, x, kv, {"mask": mask, "causal": True, "key_padding_mask": kpm}),
+    }
+    rtol, atol = MHA_TOL[hp_dtype]
+    dt = backend.dtype(hp_dtype)
+    for case, (p64, q_in, kv_in, opts) in cases.items():
+        ref_out, ref_w = oracle_mha(p64, q_in, kv_in, kv_in, num_heads=4, num_kv_heads=2, **opts)
+        params = {n: backend.asarray(a, hp_dtype) for n, a in p64.items()}
+        query, key = backend.asarray(q_in, hp_dtype), backend.asarray(kv_in, hp_dtype)
+        out, weights = mha.multi_head_attention(
+            params,
+            query,
+            None if case == "self" else key,
+            num_heads=4,
+            num_kv_heads=2,
+            return_weights=True,
+            **{n: o if isinstance(o, bool) else backend.asarray(o) for n, o in opts.items()},
+        )
+        assert_like(out, query, shape=ref_out.shape, dtype=dt, name="out")
+        assert_like(weights, query, shape=ref_w.shape, dtype=dt, name="weights")
+        np.testing.assert_allclose(backend.to_numpy(out), ref_out, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(backend.to_numpy(weights), ref_w, rtol=rtol, atol=atol)
+        sums = ref_w.sum(-1)
+        assert np.all(sums < 1 - 1e-3) and sums.max() > 0.5, case
+        if case == "self":  # batch 0, query 0 sees only key 0, which is padding
+            assert np.all(ref_w[0, :, 0] == 0) and np.all(backend.to_numpy(weights)[0, :, 0] == 0)
+            got = backend.to_numpy(out)[0, 0]  # 0 through attention: the output bias
+            np.testing.assert_allclose(got, self_params["b_o"], rtol=rtol, atol=atol)
+
+
+def test_init_params_sinks(backend: Backend) -> None:
+    """``sinks=True`` adds zeros ``(num_heads,)`` of the parameters' namespace, dtype and
+    device, and leaves every other parameter as the same seed gives without it; a zero
+    sink is not no sink (``exp(0)`` joins each denominator)."""
+    dt = backend.dtype("float64")
+    p = mha.init_params(16, 4, num_kv_heads=2, sinks=True, xp=backend.xp, dtype=dt, seed=4)
+    plain = mha.init_params(16, 4, num_kv_heads=2, xp=backend.xp, dtype=dt, seed=4)
+    assert list(p) == [*plain, "sinks"]
+    assert_like(p["sinks"], p["w_q"], shape=(4,), dtype=dt, name="sinks")
+    assert np.all(backend.to_numpy(p["sinks"]) == 0)
+    for name in plain:
+        np.testing.assert_array_equal(backend.to_numpy(p[name]), backend.to_numpy(plain[name]))
+    x = backend.asarray(rng_for("mha", "init-sinks").standard_normal((2, 8, 16)), "float64")
+    _, w = mha.multi_head_attention(p, x, num_heads=4, num_kv_heads=2, return_weights=True)
+    _, w_plain = mha.multi_head_attention(
+        plain, x, num_heads=4, num_kv_heads=2, return_weights=True
+    )
+    w, w_plain = backend.to_numpy(w), backend.to_numpy(w_plain)
+    np.testing.assert_allclose(w_plain.sum(-1), 1, rtol=1e-12)
+    # A sink only rescales each row (its denominator gains exp(0) = 1): normalised again,
+    # the weights are those without it.
+    np.testing.assert_allclose(w / w.sum(-1, keepdims=True), w_plain, rtol=1e-10, atol=1e-14)
+    assert np.all(w.sum(-1) < 1)
+    with pytest.raises(TypeError, match="`sinks` must be True or False"):
+        mha.init_params(16, 4, sinks="yes")  # type: ignore[arg-type]
+
+
+def test_params_sinks_errors_name_them() -> None:
+    p = mha.init_params(8, 2, sinks=True)
+    x = np.zeros((2, 3, 8), dtype=np.float32)
+    for bad in (np.zeros(3, np.float32), np.zeros((1, 2), np.float32), np.zeros((), np.float32)):
+        with pytest.raises(
+            ValueError, match=r"`params\['sinks'\]` must be an array \[num_heads\] = \(2,\)"
+        ):
+            mha.multi_head_attention({**p, "sinks": bad}, x, num_heads=2)
+    with pytest.raises(TypeError, match=r"`params\['sinks'\]` has dtype float64"):
+        mha.multi_head_attention({**p, "sinks": np.zeros(2)}, x, num_heads=2)
+    with pytest.raises(TypeError, match=r"`params\['sinks'\]` must be an array"):
+        mha.multi_head_attention({**p, "sinks": [0.0, 0.0]}, x, num_heads=2)
+    if "torch" in BY_NAME:
+        import torch
+
+        with pytest.raises(TypeError, match=r"`params\['sinks'\]` is a torch.Tensor"):
+            mha.multi_head_attention({**p, "sinks": torch.zeros(2)}, x, num_heads=2)
+    # segment ids are attend's to check: the message names them
+    with pytest.raises(ValueError, match="`segment_ids` must have shape"):
+        mha.multi_head_attention(p, x, num_heads=2, segment_ids=np.zeros((2, 4), np.int32))
+
+
+def test_segment_ids_window_and_sinks_equal_each_sequence_alone(backend: Backend) -> None:
+    """Packed self-attention (``segment_ids [B, L]``, causal and a window aligned within
+    each sequence, sinks) equals the float64 oracle run on each sequence alone; the pair
+    form (cross-attention, each query run with its own keys, ids broadcast over the
+    batch) likewise."""
+    params64 = _sink_params()
+    params = {n: backend.asarray(a, "float64") for n, a in params64.items()}
+    x, ids, runs = _packed_inputs()
+    opts = {"num_heads": 4, "num_kv_heads": 2, "causal": True, "window": (2, 0)}
+    out = mha.multi_head_attention(
+        params, backend.asarray(x, "float64"), segment_ids=backend.asarray(ids), **opts
+    )
+    alone = _each_alone(lambda a: oracle_mha(params64, a, a, a, **opts)[0], x, runs, np.asarray)
+    assert_like(out, params["w_q"], shape=x.shape, dtype=backend.dtype("float64"), name="out")
+    np.testing.assert_allclose(backend.to_numpy(out), alone, rtol=1e-10, atol=1e-12)
+
+    # cross-attention, ids as a pair: query runs (3, 4, 1), key runs (2, 3, 3)
+    rng = rng_for("mha", "pair")
+    q_in, kv_in = rng.standard_normal((2, 8, 16)), rng.standard_normal((2, 8, 16))
+    q_ids, kv_ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2]]), np.array([[0, 0, 1, 1, 1, 2, 2, 2]])
+    cross = mha.multi_head_attention(
+        params,
+        backend.asarray(q_in, "float64"),
+        backend.asarray(kv_in, "float64"),
+        segment_ids=(backend.asarray(q_ids), backend.asarray(kv_ids)),
+        num_heads=4,
+        num_kv_heads=2,
+        causal=True,
+    )
+    want = np.zeros_like(q_in)
+    for (qs, qe), (ks, ke) in zip([(0, 3), (3, 7), (7, 8)], [(0, 2), (2, 5), (5, 8)], strict=True):
+        q_seg, kv_seg = q_in[:, qs:qe], kv_in[:, ks:ke]
+        want[:, qs:qe] = oracle_mha(
+            params64, q_seg, kv_seg, kv_seg, num_heads=4, num_kv_heads=2, causal=True
+        )[0]
+    np.testing.assert_allclose(backend.to_numpy(cross), want, rtol=1e-10, atol=1e-12)
+
+
+def test_mask_mod_and_score_mod_equal_mask_and_bias(backend: Backend) -> None:
+    """A ``mask_mod`` (a function and its block plan) through the functional core equals
+    its dense mask, combined with ``key_padding_mask``; a ``score_mod`` its bias. Both see
+    ``h`` as the query head."""
+    import array_api_compat
+
+    params = {n: backend.asarray(a, "float64") for n, a in _sink_params().items()}
+    x64 = rng_for("mha", "mods").standard_normal((2, 8, 16))
+    x = backend.asarray(x64, "float64")
+    kpm = np.ones((2, 8), dtype=bool)
+    kpm[1, 5:] = False
+    opts = {"num_heads": 4, "num_kv_heads": 2, "key_padding_mask": backend.asarray(kpm)}
+    dense = mha.multi_head_attention(
+        params, x, mask=backend.asarray(_head_mask(4, 8, 8)), return_weights=True, **opts
+    )
+    plan = block_plan(_head_mask_mod, 8, 8, heads=4, block_size=4, like=x)
+    for mod in (_head_mask_mod, plan):
+        got = mha.multi_head_attention(params, x, mask_mod=mod, return_weights=True, **opts)
+        for a, b in zip(got, dense, strict=True):
+            np.testing.assert_allclose(backend.to_numpy(a), backend.to_numpy(b), atol=1e-13)
+
+    def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        xp = array_api_compat.array_namespace(score)
+        return (
+            score + 0.25 * xp.astype(kv_idx - q_idx, score.dtype) - 0.5 * xp.astype(h, score.dtype)
+        )
+
+    i = np.arange(8)
+    bias = 0.25 * (i[None, :] - i[:, None])[None] - 0.5 * np.arange(4)[:, None, None]
+    with_bias = mha.multi_head_attention(
+        params, x, bias=backend.asarray(bias, "float64"), causal=True, **opts
+    )
+    with_mod = mha.multi_head_attention(params, x, score_mod=score_mod, causal=True, **opts)
+    np.testing.assert_allclose(
+        backend.to_numpy(with_mod), backend.to_numpy(with_bias), rtol=1e-12, atol=1e-13
+    )
+    ref, _ = oracle_mha(
+        _sink_params(),
+        x64,
+        x64,
+        x64,
+        num_heads=4,
+        num_kv_heads=2,
+        causal=True,
+        key_padding_mask=kpm,
+        score_mod=lambda s, b, h, q, k: s + bias,
+    )
+    np.testing.assert_allclose(backend.to_numpy(with_mod), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_numpy_class_sinks_and_state() -> None:
+    m = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=5)
+    assert m.params["sinks"].shape == (4,) and m.params["sinks"].dtype == np.float32
+    x, ids, runs = _packed_inputs()
+    x32 = x.astype(np.float32)
+    out = m(x32, segment_ids=ids, causal=True)
+    alone = _each_alone(lambda a: m(a, causal=True), x32, runs, lambda a: a)
+    np.testing.assert_allclose(out, alone, rtol=1e-5, atol=1e-6)
+    other = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=6)
+    other.load_state_dict({**m.state_dict(), "sinks": SINK_VALUES})
+    np.testing.assert_array_equal(other.params["sinks"], SINK_VALUES.astype(np.float32))
+    with pytest.raises(ValueError, match=r"built with `sinks=True`"):
+        m.load_state_dict(mha.MultiHeadAttention(16, 4, num_kv_heads=2).state_dict())
+    with pytest.raises(ValueError, match=r"build it with `sinks=True`"):
+        mha.MultiHeadAttention(16, 4, num_kv_heads=2).load_state_dict(m.state_dict())
+    with pytest.raises(ValueError, match=r"`state\['sinks'\]` must be \[num_heads\] = \(4,\)"):
+        m.load_state_dict({**m.state_dict(), "sinks": np.zeros((1, 4))})
+
+
+@requires_backend("torch")
+def test_torch_sinks_match_oracle_get_gradients_and_train() -> None:
+    """The torch module's ``sinks`` parameter: output equals the float64 oracle, its
+    gradient equals ``oracle.sink_grads`` on the projected heads (a query with no key
+    included), and one SGD step moves it by ``-lr * grad``."""
+    import torch
+    from portable_attention.nn.torch import MultiHeadAttention
+
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=5, dtype=torch.float64)
+    assert "sinks=True" in repr(m) and m.has_sinks
+    assert set(m.state_dict()) == {*mha.WEIGHTS, *mha.BIASES, "sinks"}
+    with torch.no_grad():
+        m.sinks.copy_(torch.from_numpy(SINK_VALUES))
+    rng = rng_for("mha", "torch-sinks")
+    x, w_loss = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 5, 16))
+    kpm = np.ones((2, 5), dtype=bool)
+    kpm[0, 0] = kpm[1, 3:] = False
+    out = m(torch.from_numpy(x), key_padding_mask=torch.from_numpy(kpm), causal=True)
+    (out * torch.from_numpy(w_loss)).sum().backward()
+    state = m.state_dict_portable()
+    ref, _ = oracle_mha(
+        state, x, x, x, num_heads=4, num_kv_heads=2, causal=True, key_padding_mask=kpm
+    )
+    np.testing.assert_allclose(out.detach().numpy(), ref, rtol=1e-10, atol=1e-12)
+    q, k, v = oracle_heads(state, x, x, x, 4, 2)
+    w_att = split_heads64(w_loss @ state["w_o"].T, 4)  # d loss / d (attention output)
+    want = oracle.sink_grads(
+        q, k, v, w_att, sinks=state["sinks"], mask=kpm[:, None, None, :], causal=True
+    )
+    assert m.sinks.grad is not None and np.abs(want).min() > 1e-3
+    np.testing.assert_allclose(m.sinks.grad.numpy(), want, rtol=1e-9, atol=1e-12)
+    torch.optim.SGD(m.parameters(), lr=0.1).step()
+    np.testing.assert_allclose(m.sinks.detach().numpy(), SINK_VALUES - 0.1 * want, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"`sinks`.*nn\.MultiheadAttention"):
+        MultiHeadAttention(16, 4, sinks=True).to_torch()
+
+
+@requires_backend("torch")
+def test_torch_module_segment_ids_and_mask_mod() -> None:
+    """Through the torch module: packed sequences equal each sequence alone (sinks on),
+    and a mask_mod (function or block plan) equals its mask, gradients included."""
+    import torch
+    from portable_attention.nn.torch import MultiHeadAttention
+
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=1, dtype=torch.float64)
+    with torch.no_grad():
+        m.sinks.copy_(torch.from_numpy(SINK_VALUES))
+    x, ids, runs = _packed_inputs()
+    with torch.no_grad():
+        out = m(torch.from_numpy(x), segment_ids=torch.from_numpy(ids), causal=True, window=2)
+        alone = _each_alone(
+            lambda a: m(a, causal=True, window=2).numpy(), x, runs, torch.from_numpy
+        )
+    np.testing.assert_allclose(out.numpy(), alone, rtol=1e-10, atol=1e-12)
+
+    xt = torch.from_numpy(x[:, :6]).requires_grad_(True)
+    plan = block_plan(_head_mask_mod, 6, 6, heads=4, block_size=2, like=xt)
+    dense = m(xt, mask=torch.from_numpy(_head_mask(4, 6, 6)))
+    (g_dense,) = torch.autograd.grad(dense.square().sum(), (xt,))
+    for mod in (_head_mask_mod, plan):
+        got = m(xt, mask_mod=mod)
+        (g_got,) = torch.autograd.grad(got.square().sum(), (xt,))
+        torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(g_got, g_dense, rtol=1e-10, atol=1e-12)
+
+
+@requires_backend("torch", "jax")
+def test_sinks_modules_agree_across_frameworks_and_states_round_trip() -> None:
+    """Same seed with ``sinks=True``: the NumPy class, the torch module, the Flax module
+    and ``init_params`` on every selected backend give the same outputs (which differ from
+    those without sinks); trained (non-zero) sinks go torch -> NumPy -> Flax -> torch
+    unchanged; loading into a module without sinks (or the reverse, or a wrong shape)
+    is refused by name."""
+    import jax.numpy as jnp
+    import torch
+    from portable_attention.nn.flax import MultiHeadAttention as FlaxMHA
+    from portable_attention.nn.torch import MultiHeadAttention as TorchMHA
+
+    x = rng_for("mha", "agree-sinks").standard_normal((2, 6, 16)).astype(np.float32)
+    kpm = np.ones((2, 6), dtype=bool)
+    kpm[0, -2:] = False
+    t = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=11)
+    with torch.no_grad():
+        ref = t(torch.from_numpy(x), key_padding_mask=torch.from_numpy(kpm)).numpy()
+        plain = TorchMHA(16, 4, num_kv_heads=2, seed=11)(torch.from_numpy(x)).numpy()
+    assert not np.allclose(ref, plain, atol=1e-3)
+    n = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=11)
+    f = FlaxMHA(16, 4, num_kv_heads=2, sinks=True, seed=11)
+    np.testing.assert_allclose(n(x, key_padding_mask=kpm), ref, rtol=1e-5, atol=1e-6)
+    f_out = f(jnp.asarray(x), key_padding_mask=jnp.asarray(kpm))
+    np.testing.assert_allclose(np.asarray(f_out), ref, rtol=1e-5, atol=1e-6)
+    for b in BACKENDS:
+        with b.flags():
+            dt = b.dtype("float32")
+            params = mha.init_params(16, 4, num_kv_heads=2, sinks=True, xp=b.xp, dtype=dt, seed=11)
+            out = mha.multi_head_attention(
+                params,
+                b.asarray(x, "float32"),
+                num_heads=4,
+                num_kv_heads=2,
+                key_padding_mask=b.asarray(kpm),
+            )
+            np.testing.assert_allclose(b.to_numpy(out), ref, rtol=1e-5, atol=1e-6, err_msg=b.name)
+
+    with torch.no_grad():
+        t.sinks.copy_(torch.from_numpy(SINK_VALUES))
+        trained = t(torch.from_numpy(x)).numpy()
+    n.load_state_dict(t.state_dict_portable())
+    f.load_state_dict(n.state_dict())
+    back = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=0)
+    back.load_portable(f.state_dict())
+    np.testing.assert_array_equal(back.sinks.detach().numpy(), SINK_VALUES.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(f.params()["sinks"]), back.sinks.detach().numpy())
+    with torch.no_grad():
+        np.testing.assert_array_equal(back(torch.from_numpy(x)).numpy(), trained)
+    np.testing.assert_allclose(np.asarray(f(jnp.asarray(x))), trained, rtol=1e-5, atol=1e-6)
+    torch_state = t.state_dict()  # torch's own state dict, with sinks, round-trips too
+    again = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=3)
+    again.load_state_dict(torch_state)
+    torch.testing.assert_close(again.sinks, t.sinks, rtol=0, atol=0)
+
+    no_sinks = (
+        TorchMHA(16, 4, num_kv_heads=2).load_portable,
+        FlaxMHA(16, 4, num_kv_heads=2).load_state_dict,
+    )
+    for load in no_sinks:
+        with pytest.raises(ValueError, match=r"`state` has 'sinks'.*`sinks=True`"):
+            load(t.state_dict_portable())
+    without = {k: a for k, a in t.state_dict_portable().items() if k != "sinks"}
+    wrong = {**t.state_dict_portable(), "sinks": np.zeros(3, np.float32)}
+    for load in (back.load_portable, f.load_state_dict):
+        with pytest.raises(ValueError, match=r"`state` has no 'sinks'.*`sinks=True`"):
+            load(without)
+        with pytest.raises(ValueError, match=r"`state\['sinks'\]` must be \[num_heads\]"):
+            load(wrong)

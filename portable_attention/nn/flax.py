@@ -7,12 +7,17 @@ portable-attention[flax]``). The module holds the parameters of
 ``nnx.Param`` and calls :func:`portable_attention.mha.multi_head_attention`, so
 ``nnx.jit``, ``nnx.vmap`` and ``nnx.grad`` go through :func:`portable_attention.attend`.
 
+With ``sinks=True`` the module also holds learned attention sinks, ``sinks`` ``[num_heads]``
+(an ``nnx.Param`` starting at 0, trained by ``nnx.grad`` like the weights), passed to
+:func:`portable_attention.attend` as ``sinks=``.
+
 Dropout draws from ``rngs.dropout()`` (an ``nnx.Rngs`` given at construction) unless an
 explicit key is passed as ``rng=``; ``.eval()`` turns it off, ``.train()`` back on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,6 +36,9 @@ class MultiHeadAttention(nnx.Module):
     ----------
     embed_dim, num_heads, num_kv_heads, kdim, vdim, bias, dropout
         As :class:`portable_attention.mha.MultiHeadAttention`.
+    sinks : bool
+        Include learned attention sinks ``sinks`` ``[num_heads]`` (zeros: each softmax
+        denominator starts with ``exp(0) = 1`` more, as gpt-oss's sinks start near 0).
     seed : int
         Seed of :func:`portable_attention.mha.init_params` (same values on every framework).
     dtype
@@ -50,6 +58,7 @@ class MultiHeadAttention(nnx.Module):
         bias: bool = True,
         dropout: float = 0.0,
         *,
+        sinks: bool = False,
         seed: int = 0,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs | None = None,
@@ -66,6 +75,7 @@ class MultiHeadAttention(nnx.Module):
             kdim=kdim,
             vdim=vdim,
             bias=bias,
+            sinks=sinks,
             xp=jnp,
             dtype=dtype,
             seed=seed,
@@ -87,12 +97,18 @@ class MultiHeadAttention(nnx.Module):
         mask: Any = None,
         bias: Any = None,
         causal: bool | str = False,
+        window: int | tuple[int | None, int | None] | None = None,
         key_padding_mask: Any = None,
         need_weights: bool = False,
         rng: Any = None,
+        segment_ids: Any = None,
+        score_mod: Callable[..., Any] | None = None,
+        mask_mod: Any = None,
     ) -> Any:
         """Batch-first attention in this package's conventions (True = may attend / real
-        key); returns ``out [B, Lq, E]`` or ``(out, weights [B, Hq, Lq, Lk])``."""
+        key); ``window``, ``segment_ids``, ``score_mod`` and ``mask_mod`` as in
+        :func:`portable_attention.mha.multi_head_attention`. Returns ``out [B, Lq, E]`` or
+        ``(out, weights [B, Hq, Lq, Lk])``."""
         p = 0.0 if self.deterministic else self.dropout
         if p > 0 and rng is None:
             if self.rngs is None:
@@ -108,10 +124,14 @@ class MultiHeadAttention(nnx.Module):
             mask=mask,
             bias=bias,
             causal=causal,
+            window=window,
             key_padding_mask=key_padding_mask,
             dropout=p,
             rng=rng,
             return_weights=need_weights,
+            segment_ids=segment_ids,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -119,7 +139,9 @@ class MultiHeadAttention(nnx.Module):
         return {name: np.asarray(v) for name, v in self.params().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load portable-format arrays of any framework (converted through NumPy/DLPack)."""
+        """Load portable-format arrays of any framework (converted through NumPy/DLPack);
+        keys and shapes must match (``sinks`` only into a module built with ``sinks=True``)."""
+        mha.check_state_sinks(state, self.names, self.num_heads)
         _checks.check_state_keys(state, self.names)
         for name in self.names:
             param = getattr(self, name)

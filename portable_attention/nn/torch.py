@@ -6,7 +6,8 @@ and their argument checks, on the portable functional core.
 
 The parameters are ``nn.Parameter`` objects named as in the portable state format of
 :mod:`portable_attention.mha` (``w_q (E, Hq*D)``, ``w_k (kdim, Hk*D)``, ``w_v (vdim, Hk*D)``,
-``w_o (Hq*D, E)``, optional ``b_q, b_k, b_v, b_o``; applied as ``x @ w + b``), so
+``w_o (Hq*D, E)``, optional ``b_q, b_k, b_v, b_o`` and learned attention ``sinks (Hq,)``;
+applied as ``x @ w + b``), so
 ``module.state_dict()`` has those keys and :meth:`MultiHeadAttention.state_dict_portable` /
 :meth:`MultiHeadAttention.load_portable` move the same weights to and from NumPy, JAX,
 CuPy or :class:`portable_attention.mha.MultiHeadAttention`.
@@ -38,12 +39,15 @@ this package's out):
 Differences from torch that remain: a query row with every key masked gives output 0 and
 weights 0 (torch gives NaN); returned weights are those *before* dropout (torch returns them
 after dropout in training mode); ``add_bias_kv`` / ``add_zero_attn`` are not supported
-(``from_torch`` raises ``ValueError``). The native :meth:`MultiHeadAttention.forward` is
-always batch-first and uses this package's polarity (True = may attend / real key).
+(``from_torch`` raises ``ValueError``); torch's module has no attention sinks (``to_torch``
+of a module with ``sinks=True`` raises ``ValueError``). The native
+:meth:`MultiHeadAttention.forward` is always batch-first and uses this package's polarity
+(True = may attend / real key).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,7 +57,14 @@ from torch import nn
 from portable_attention import _checks
 from portable_attention._checks import type_name
 from portable_attention._convert import to_backend
-from portable_attention.mha import BIASES, WEIGHTS, host_array, init_params, multi_head_attention
+from portable_attention.mha import (
+    PARAM_NAMES,
+    SINKS,
+    check_state_sinks,
+    host_array,
+    init_params,
+    multi_head_attention,
+)
 
 __all__ = ["MultiHeadAttention", "TorchCompatMultiHeadAttention"]
 
@@ -71,6 +82,10 @@ class MultiHeadAttention(nn.Module):
         Input widths of key and value (default ``E``).
     bias : bool
         Include ``b_q, b_k, b_v, b_o``.
+    sinks : bool
+        Include learned attention sinks: an ``nn.Parameter`` ``sinks`` ``[num_heads]``,
+        one logit per query head added to each softmax denominator (gpt-oss), starting
+        at 0 (each denominator gains ``exp(0) = 1``), trained like any other parameter.
     dropout : float
         Attention-weight dropout, applied in training mode only (``.train()/.eval()``),
         drawn from torch's global RNG.
@@ -95,6 +110,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         *,
+        sinks: bool = False,
         batch_first: bool = True,
         seed: int | None = None,
         device: Any = None,
@@ -118,6 +134,7 @@ class MultiHeadAttention(nn.Module):
             kdim=kdim,
             vdim=vdim,
             bias=bias,
+            sinks=sinks,
             dtype=np.float64,
             seed=seed,
         )
@@ -126,16 +143,22 @@ class MultiHeadAttention(nn.Module):
             tensor = torch.from_numpy(value).to(device=device, dtype=dtype)
             self.register_parameter(name, nn.Parameter(tensor))
 
+    @property
+    def has_sinks(self) -> bool:
+        """Whether the module has learned attention sinks (built with ``sinks=True``)."""
+        return SINKS in self._parameters
+
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, "
-            f"bias={self.bias}, dropout={self.dropout}, batch_first={self.batch_first}"
+            f"bias={self.bias}, sinks={self.has_sinks}, dropout={self.dropout}, "
+            f"batch_first={self.batch_first}"
         )
 
     def params(self) -> dict[str, torch.Tensor]:
         """The parameters as the portable dict (the live ``nn.Parameter`` objects)."""
-        return {n: p for n, p in self.named_parameters(recurse=False) if n in WEIGHTS + BIASES}
+        return {n: p for n, p in self.named_parameters(recurse=False) if n in PARAM_NAMES}
 
     def forward(
         self,
@@ -146,17 +169,24 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         causal: bool | str = False,
+        window: int | tuple[int | None, int | None] | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         rng: torch.Generator | None = None,
+        segment_ids: Any = None,
+        score_mod: Callable[..., Any] | None = None,
+        mask_mod: Any = None,
     ) -> Any:
         """Batch-first attention in this package's conventions.
 
         ``query [B, Lq, E]``, ``key [B, Lk, kdim]`` (default ``query``), ``value
         [B, Lk, vdim]`` (default ``key``); boolean ``mask`` broadcastable to
         ``[B, Hq, Lq, Lk]`` and boolean ``key_padding_mask [B, Lk]`` with **True = may
-        attend / real key**; ``bias`` additive. Returns ``out [B, Lq, E]`` or, with
-        ``need_weights``, ``(out, weights [B, Hq, Lq, Lk])``.
+        attend / real key**; ``bias`` additive; ``window``, ``segment_ids`` (packed
+        sequences, ``[B, L]`` or a pair ``(q_ids [B, Lq], kv_ids [B, Lk])``),
+        ``score_mod`` and ``mask_mod`` as in
+        :func:`portable_attention.mha.multi_head_attention`. Returns ``out [B, Lq, E]``
+        or, with ``need_weights``, ``(out, weights [B, Hq, Lq, Lk])``.
         """
         return self._attend(
             query,
@@ -165,9 +195,13 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             bias=bias,
             causal=causal,
+            window=window,
             key_padding_mask=key_padding_mask,
             need_weights=need_weights,
             rng=rng,
+            segment_ids=segment_ids,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )
 
     def _attend(
@@ -179,9 +213,13 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         causal: bool | str = False,
+        window: int | tuple[int | None, int | None] | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         rng: torch.Generator | None = None,
+        segment_ids: Any = None,
+        score_mod: Callable[..., Any] | None = None,
+        mask_mod: Any = None,
     ) -> Any:
         p = self.dropout if self.training else 0.0
         return multi_head_attention(
@@ -194,10 +232,14 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             bias=bias,
             causal=causal,
+            window=window,
             key_padding_mask=key_padding_mask,
             dropout=p,
             rng=rng,
             return_weights=need_weights,
+            segment_ids=segment_ids,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
         )
 
     def torch_compat_forward(
@@ -288,8 +330,10 @@ class MultiHeadAttention(nn.Module):
 
     def load_portable(self, state: dict[str, Any]) -> None:
         """Copy ``state`` (portable keys; NumPy, torch, JAX, ... arrays) into the parameters,
-        cast to their dtype and device. Keys and shapes must match."""
+        cast to their dtype and device. Keys and shapes must match (``sinks`` only into a
+        module built with ``sinks=True``)."""
         params = self.params()
+        check_state_sinks(state, params, self.num_heads)
         _checks.check_state_keys(state, params)
         with torch.no_grad():
             for name, p in params.items():
@@ -340,8 +384,10 @@ class MultiHeadAttention(nn.Module):
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with these weights (same dropout, batch_first and
-        training mode). Needs ``num_kv_heads == num_heads`` (torch has no grouped heads)."""
+        training mode). Needs ``num_kv_heads == num_heads`` (torch has no grouped heads) and
+        no ``sinks`` (nor has it attention sinks)."""
         _check_no_grouped_heads(self.num_kv_heads, self.num_heads)
+        _check_no_sinks(self.has_sinks)
         p = self.params()
         w_q = p["w_q"]
         m = nn.MultiheadAttention(
@@ -460,6 +506,17 @@ def _check_no_grouped_heads(num_kv_heads: int, num_heads: int) -> None:
         msg = (
             f"`num_kv_heads`={num_kv_heads} != `num_heads`={num_heads}: "
             "nn.MultiheadAttention has no grouped-query heads"
+        )
+        raise ValueError(msg)
+
+
+def _check_no_sinks(has_sinks: bool) -> None:
+    """``to_torch``: nn.MultiheadAttention has no attention sinks (dropping learned ones
+    would change the outputs)."""
+    if has_sinks:
+        msg = (
+            "this module has learned `sinks` (built with `sinks=True`), which "
+            "nn.MultiheadAttention does not have; `to_torch` would drop them"
         )
         raise ValueError(msg)
 
