@@ -95,11 +95,13 @@ def attend(
         (rows sum to less than 1); ``lse`` includes it; a row with no key gives out 0 and
         lse = the sink. Differentiable on every path.
     segment_ids : int array ``[..., L]`` or a pair ``(q_ids [..., Lq], kv_ids [..., Lk])``
-        Packed sequences: a query attends only the keys of its own segment (a contiguous
-        run of equal ids; leading dims broadcast to q's batch dims, shared by the heads).
-        ``causal`` and ``window`` then align within each segment (lower-right, as
-        ``flash_attn_varlen_func``). No dense mask is built: each block's mask comes from
-        the ids, and eager backends skip blocks with no matching pair.
+        Packed sequences: a query attends only the keys of its own segment (the positions
+        of its id; leading dims broadcast to q's batch dims, shared by the heads).
+        ``causal`` and ``window`` then align within each segment: its last query with its
+        last key (lower-right, as ``flash_attn_varlen_func``), or its first with its first
+        (``causal="upper_left"``); with one array of ids that is the global band. No
+        dense mask is built: each block's mask comes from the ids, and eager backends skip
+        blocks with no matching pair.
     score_mod : callable, optional
         FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
         the scores after ``softcap`` and ``bias``, block by block, on int32 index arrays

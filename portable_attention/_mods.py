@@ -67,31 +67,42 @@ def prepare(call: Call, segment_ids: Any, score_mod: Any, mask_mod: Any) -> Mods
 
 
 def aligned_positions(xp: Any, ids: Any, align: str) -> Any:
-    """Each position's coordinate within its segment (a contiguous run of equal ids in
-    each row of ``ids [*batch, L]``): ``i - end`` (lower-right; ``end`` the run's exclusive
-    end) or ``i - start`` (upper-left). Two positions of one segment, one in q's ids and
-    one in k's, are aligned when their coordinates are equal (as ``flash_attn_varlen_func``
-    aligns causal masks of each sequence)."""
+    """Each position's coordinate within its segment (all positions of its id, in each
+    row of ``ids [*batch, L]``): ``i - end`` (lower-right; ``end`` one past the id's last
+    position) or ``i - start`` (upper-left; ``start`` its first position). A query and a
+    key of one id, in q's and k's ids, are aligned when their coordinates are equal (as
+    ``flash_attn_varlen_func`` aligns the causal mask of each sequence); for one array of
+    ids the difference of two coordinates is the difference of the positions.
+
+    By sorting: the positions ordered by (row, id, position) with two stable argsorts,
+    each id's group numbered, its first or last member found by ``searchsorted`` on the
+    group numbers, and the result put back in place by the inverse permutation."""
     shape = tuple(ids.shape)
     length = shape[-1]
-    rows = xp.reshape(ids, (-1, length))
-    n = rows.shape[0]
     dev = _device(ids)
-    # int32 where the sort key fits (JAX without x64 has no int64), else int64.
-    it = xp.int32 if (length + 1) * (n + 1) < 2**31 else xp.int64
-    if length == 0:
+    size = 1
+    for n in shape:
+        size *= n
+    # int32 where the flat indices fit (JAX without x64 has no int64), else int64.
+    it = xp.int32 if size + length < 2**31 else xp.int64
+    if size == 0:
         return xp.zeros(shape, dtype=it, device=dev)
-    changes = xp.astype(rows[:, 1:] != rows[:, :-1], it)
-    first = xp.ones((n, 1), dtype=it, device=dev)
-    run = xp.cumulative_sum(xp.concat([first, changes], axis=1), axis=1)
-    # One sorted key over all rows: row r's runs are numbered after those of rows < r.
-    row = xp.reshape(xp.arange(n, dtype=it, device=dev), (n, 1))
-    key = xp.reshape(run + row * (length + 1), (-1,))
-    side = "right" if align == "lower_right" else "left"
-    found = xp.astype(xp.searchsorted(key, key, side=side), it)
-    edge = xp.reshape(found, (n, length)) - row * length
-    pos = xp.reshape(xp.arange(length, dtype=it, device=dev), (1, length))
-    return xp.reshape(pos - edge, shape)
+    flat = xp.reshape(ids, (size,))
+    index = xp.arange(size, dtype=it, device=dev)
+    by_id = xp.argsort(flat, stable=True)
+    row_of = xp.take(index // length, by_id)
+    order = xp.take(by_id, xp.argsort(row_of, stable=True))  # by row, then id, then position
+    sorted_ids, sorted_rows = xp.take(flat, order), xp.take(index // length, order)
+    new_group = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_rows[1:] != sorted_rows[:-1])
+    first = xp.zeros((1,), dtype=it, device=dev)
+    group = xp.cumulative_sum(xp.concat([first, xp.astype(new_group, it)]))
+    if align == "lower_right":
+        edge = xp.take(order, xp.astype(xp.searchsorted(group, group, side="right"), it) - 1) + 1
+    else:
+        edge = xp.take(order, xp.astype(xp.searchsorted(group, group, side="left"), it))
+    # Back to the positions' own order: ``order``'s inverse is its argsort.
+    edge = xp.take(xp.astype(edge, it), xp.argsort(order))
+    return xp.reshape(index - edge, shape)
 
 
 def _device(x: Any) -> Any:
@@ -149,7 +160,8 @@ def sinks_grad(call: Call, sinks: Any, lse: Any, delta: Any) -> Any:
     axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, target, strict=True)) if b == 1 != a)
     if axes:
         g = xp.sum(g, axis=axes, keepdims=True)
-    return xp.astype(xp.reshape(g, target), sinks.dtype, copy=False)
+    g = xp.reshape(xp.asarray(g), target)  # NumPy's full sum is a scalar: an array again
+    return xp.astype(g, sinks.dtype, copy=False)
 
 
 def sinks_grad_from(call: Call, sinks: Any, dout: Any, out: Any, lse: Any, dlse: Any) -> Any:
@@ -258,6 +270,8 @@ def block_mask(
         shape = user_shape(call, rows[1], cols[1])
         got = mods.mask_mod(*indices(call, rows, cols))
         check_mask_mod_result(xp, got, shape)
+        if call.block_plan is not None:
+            check_plan_axes(call.block_plan, got)
         if got.ndim > 2 and tuple(layout) != shape:  # per head: split like the scores' heads
             got = xp.reshape(xp.broadcast_to(got, shape), layout)
         keep = got if keep is None else keep & got
@@ -267,6 +281,21 @@ def block_mask(
 def _cut(x: Any, span: tuple[Any, int]) -> Any:
     start, n = span
     return x[..., start : start + n]
+
+
+def check_plan_axes(plan: Any, got: Any) -> None:
+    """A block plan built without ``heads=`` (``batch=``) was evaluated at head (batch)
+    0 only: a mask_mod whose result varies along that axis would have had blocks
+    skipped that other heads need."""
+    for name, axis, built in (("heads", -3, plan.heads), ("batch", -4, plan.batch)):
+        if built is None and got.ndim >= -axis and got.shape[axis] > 1:
+            msg = (
+                f"`mask_mod` is a block plan built without `{name}=`, but the mask_mod returns "
+                f"a mask per {'head' if name == 'heads' else 'batch row'} (shape "
+                f"{shape_of(got)}): the plan saw only index 0 and may skip blocks others "
+                f"need; build it with `masks.block_plan(..., {name}=...)`."
+            )
+            raise ValueError(msg)
 
 
 def check_score_mod_result(got: Any, shape: tuple[int, ...], dtype: Any) -> None:

@@ -543,7 +543,14 @@ def _segment_arrays(segment_ids: Any) -> tuple[Any, Any, str | None]:
     if segment_ids is None:
         return None, None, None
     if isinstance(segment_ids, (tuple, list)):
-        if len(segment_ids) != 2 or any(x is None for x in segment_ids):
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in segment_ids):
+            msg = (
+                "`segment_ids` must be one integer array [..., L] or a pair of arrays "
+                f"(q_ids, kv_ids), got a {type_name(segment_ids)} of Python values; "
+                "convert it first, e.g. `xp.asarray(segment_ids)`."
+            )
+            raise TypeError(msg)
+        if len(segment_ids) != 2:
             msg = (
                 "`segment_ids` must be one integer array [..., L] (packed self-attention) or "
                 f"a pair (q_ids [..., Lq], kv_ids [..., Lk]), got a {type_name(segment_ids)} "

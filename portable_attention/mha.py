@@ -124,7 +124,7 @@ def multi_head_attention(
         with ``sinks`` a row sums to less than 1).
     segment_ids : int array ``[B, L]`` or a pair ``(q_ids [B, Lq], kv_ids [B, Lk])``, optional
         Packed sequences, as in :func:`attend`: a query attends only the keys of its own
-        segment (a contiguous run of equal ids in its batch row); ``causal`` and
+        segment (the positions of its id in its batch row); ``causal`` and
         ``window`` align within each segment. A leading dim of 1 (or none) shares the
         ids across the batch.
     score_mod, mask_mod : optional

@@ -79,22 +79,18 @@ def _window_sides(
     return window[0], window[1]
 
 
-def run_bounds(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(start, end)`` of the run of equal ids each position is in (``end`` exclusive),
-    walking each row (last axis) of ``ids`` one position at a time."""
+def id_bounds(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, end)`` of the segment each position is in: the first position of its id
+    and one past the last (in its row, last axis), by a walk over each row."""
     ids = np.asarray(ids)
     start = np.zeros(ids.shape, dtype=np.int64)
     end = np.zeros(ids.shape, dtype=np.int64)
-    length = ids.shape[-1]
     for row in np.ndindex(*ids.shape[:-1]):
-        p = 0
-        while p < length:
-            q = p
-            while q + 1 < length and ids[(*row, q + 1)] == ids[(*row, p)]:
-                q += 1
-            start[(*row, slice(p, q + 1))] = p
-            end[(*row, slice(p, q + 1))] = q + 1
-            p = q + 1
+        values = [int(x) for x in ids[row]]
+        for p, x in enumerate(values):
+            where = [i for i, y in enumerate(values) if y == x]
+            start[(*row, p)] = where[0]
+            end[(*row, p)] = where[-1] + 1
     return start, end
 
 
@@ -106,18 +102,19 @@ def segment_positions(
     window: int | tuple[int | None, int | None] | None = None,
 ) -> np.ndarray:
     """Boolean ``[*batch, 1, Lq, Lk]``: query i may see key j (same id, and inside the
-    causal/window band with both positions counted within their own run)."""
+    causal/window band with both positions counted within their own segment: from the
+    first (upper-left) or last (lower-right) position of their id)."""
     if causal not in (False, True, "lower_right", "upper_left"):
         msg = f"oracle: bad causal {causal!r}"
         raise ValueError(msg)
     left, right = _window_sides(window)
-    q_start, q_end = run_bounds(q_ids)
-    k_start, k_end = run_bounds(kv_ids)
+    q_start, q_end = id_bounds(q_ids)
+    k_start, k_end = id_bounds(kv_ids)
     iq = np.arange(q_ids.shape[-1])
     jk = np.arange(kv_ids.shape[-1])
     if causal == "upper_left":
         pos_q, pos_k = iq - q_start, jk - k_start
-    else:  # lower-right: the last query of a run is aligned with the last key of its run
+    else:  # lower-right: the last query of an id is aligned with its last key
         pos_q, pos_k = iq - q_end, jk - k_end
     d = pos_k[..., None, :] - pos_q[..., :, None]  # [*batch, Lq, Lk]
     keep = q_ids[..., :, None] == kv_ids[..., None, :]

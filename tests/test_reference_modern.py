@@ -333,7 +333,8 @@ def test_pair_segments_are_each_segment_alone(options: dict[str, Any]) -> None:
 @pytest.mark.parametrize("options", SEGMENT_OPTIONS[:4])
 def test_segments_brute_force(options: dict[str, Any]) -> None:
     """Ids that are not one run per segment (id 0 in two runs) and padding (-1), on the
-    contract's definition: same id, and the band on each position's place in its run."""
+    contract's definition: same id, and the band on each position's place in its
+    segment (all positions of its id: from the id's first or last position)."""
     q_ids = np.array([0, 0, 1, 1, 1, 0, -1])
     kv_ids = np.array([0, 1, 1, 0, 0, 0, -1, -1])
     q, k, v = qkv(("segments-brute", str(options)), (), 2, 1, 7, 8)
@@ -341,21 +342,16 @@ def test_segments_brute_force(options: dict[str, Any]) -> None:
     left, right = (window, window) if isinstance(window, int) else (window or (None, None))
     right = 0 if causal is not False and right is None else right
 
-    def runs(ids: np.ndarray) -> list[tuple[int, int]]:
-        bounds, p = [], 0
-        while p < len(ids):
-            e = p
-            while e < len(ids) and ids[e] == ids[p]:
-                e += 1
-            bounds += [(p, e)] * (e - p)
-            p = e
-        return bounds
+    def extents(ids: np.ndarray) -> list[tuple[int, int]]:
+        """(first position, one past the last) of each position's id."""
+        where = {x: [i for i, y in enumerate(ids) if y == x] for x in set(ids.tolist())}
+        return [(where[x][0], where[x][-1] + 1) for x in ids.tolist()]
 
     def place(i: int, bounds: list[tuple[int, int]]) -> int:
         start, end = bounds[i]
         return i - start if causal == "upper_left" else i - end
 
-    qb, kb = runs(q_ids), runs(kv_ids)
+    qb, kb = extents(q_ids), extents(kv_ids)
 
     def keep(head: tuple[int, ...], i: int, j: int) -> bool:
         d = place(j, kb) - place(i, qb)

@@ -104,12 +104,13 @@ def reference_attention(
         Packed sequences: ``[*batch, L]`` for self-attention (``Lq == Lk``), or a pair
         ``(q_ids [*batch, Lq], kv_ids [*batch, Lk])``, ``*batch`` broadcastable to
         ``q.shape[:-3]`` (1-D ids for 2-D and 3-D ``q``). A query attends only the keys
-        with its own id. A segment is a run of equal ids (in each array and batch row);
-        ``causal`` and ``window`` are aligned within it: each position's aligned
-        coordinate is ``i - end(i)`` (``end``: the exclusive end of its run;
-        "lower_right", the default) or ``i - start(i)`` (``causal="upper_left"``), and key
-        ``j`` is kept for query ``i`` when ``-left <= pos(j) - pos(i) <= right`` (causal:
-        ``right = 0``). This is each segment's queries attending its keys alone.
+        with its own id (a segment: all positions of one id, in each array and batch
+        row). ``causal`` and ``window`` are aligned within it: each position's aligned
+        coordinate is ``i - end(i)`` (``end``: one past the last position of its id in
+        its array; "lower_right", the default) or ``i - start(i)`` (``start``: the first
+        position of its id; ``causal="upper_left"``), and key ``j`` is kept for query
+        ``i`` when ``-left <= pos(j) - pos(i) <= right`` (causal: ``right = 0``). For
+        contiguous segments this is each segment's queries attending its keys alone.
     score_mod : callable, optional
         FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called once
         on NumPy arrays: ``score`` float64 ``[..., Hq, Lq, Lk]`` (``[Lq, Lk]`` for 2-D
@@ -259,10 +260,10 @@ def _segment_band(
     right: int | None,
 ) -> np.ndarray:
     """``[*batch, 1, Lq, Lk]``: True where query ``i`` and key ``j`` have one id and ``j``
-    is in ``i``'s band, both positions counted within their own run (segment)."""
+    is in ``i``'s band, both positions counted within their own segment (id)."""
     upper_left = causal == "upper_left"
-    pos_q = _position_in_run(q_ids, upper_left)[..., None, :, None]
-    pos_k = _position_in_run(kv_ids, upper_left)[..., None, None, :]
+    pos_q = _position_in_segment(q_ids, upper_left)[..., None, :, None]
+    pos_k = _position_in_segment(kv_ids, upper_left)[..., None, None, :]
     distance = pos_k - pos_q  # the key's aligned position minus the query's
     keep = q_ids[..., None, :, None] == kv_ids[..., None, None, :]
     if causal is not None:
@@ -274,22 +275,17 @@ def _segment_band(
     return keep
 
 
-def _position_in_run(ids: np.ndarray, upper_left: bool) -> np.ndarray:
-    """Each position's index in its run of equal ids: ``i - start(i)`` (upper-left), else
-    ``i - end(i)`` (lower-right, <= -1), ``end`` exclusive; along the last axis."""
-    length = ids.shape[-1]
-    index = np.arange(length)
-    if length == 0:
-        return np.zeros(ids.shape, dtype=np.int64)
-    changes = ids[..., 1:] != ids[..., :-1]  # a new run starts at p + 1
-    first = np.concatenate([np.ones((*ids.shape[:-1], 1), dtype=bool), changes], axis=-1)
-    last = np.concatenate([changes, np.ones((*ids.shape[:-1], 1), dtype=bool)], axis=-1)
-    if upper_left:  # the run's start: the latest first position at or before i
-        start = np.maximum.accumulate(np.where(first, index, 0), axis=-1)
+def _position_in_segment(ids: np.ndarray, upper_left: bool) -> np.ndarray:
+    """Each position's coordinate in its segment (all positions of its id): ``i -
+    start(i)`` (upper-left: the id's first position), else ``i - end(i)`` (lower-right:
+    one past the id's last position, so <= -1); along the last axis, per row."""
+    index = np.arange(ids.shape[-1])
+    same = ids[..., :, None] == ids[..., None, :]  # [*batch, L, L]: p and p' share an id
+    if upper_left:
+        start = np.where(same, index, ids.shape[-1]).min(axis=-1)
         return index - start
-    # the run's (exclusive) end: one past the earliest last position at or after i
-    end = np.flip(np.minimum.accumulate(np.flip(np.where(last, index, length), -1), -1), -1)
-    return index - (end + 1)
+    end = np.where(same, index, -1).max(axis=-1) + 1
+    return index - end
 
 
 def _mod_indices(
