@@ -543,7 +543,7 @@ def _segment_arrays(segment_ids: Any) -> tuple[Any, Any, str | None]:
     if segment_ids is None:
         return None, None, None
     if isinstance(segment_ids, (tuple, list)):
-        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in segment_ids):
+        if not any(hasattr(x, "shape") and hasattr(x, "dtype") for x in segment_ids):
             msg = (
                 "`segment_ids` must be one integer array [..., L] or a pair of arrays "
                 f"(q_ids, kv_ids), got a {type_name(segment_ids)} of Python values; "
