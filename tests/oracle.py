@@ -345,7 +345,8 @@ def sink_grads(
     sinks = np.asarray(sinks, dtype=np.float64)
     out, _, lse = attention(q, k, v, sinks=sinks, **kwargs)
     heads_shape = lse.shape[:-1]  # q.shape[:-2]
-    sink = np.broadcast_to(sinks, heads_shape)[..., None]  # [..., Hq, 1]
+    # 2-D q: one implicit head, sinks () or (1,) (heads_shape is ()).
+    sink = np.broadcast_to(sinks.reshape(()) if not heads_shape else sinks, heads_shape)[..., None]
     finite = np.isfinite(lse)
     logit = np.where(finite, sink, 0.0) - np.where(finite, lse, 0.0)
     share = np.where(finite, np.exp(logit), 0.0)  # [..., Hq, Lq]
@@ -353,6 +354,8 @@ def sink_grads(
     if w_lse is not None:
         per_row = per_row + share * np.asarray(w_lse, dtype=np.float64)
     grad = per_row.sum(axis=-1)  # [..., Hq]
+    if not heads_shape:
+        return grad.reshape(sinks.shape)
     # Sum over the dims the sinks were broadcast along, back to their shape.
     extra = grad.ndim - sinks.ndim
     grad = grad.sum(axis=tuple(range(extra))) if extra else grad
