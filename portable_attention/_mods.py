@@ -303,10 +303,18 @@ def check_score_mod_result(got: Any, shape: tuple[int, ...], dtype: Any) -> None
     got_shape = getattr(got, "shape", None)
     if got_shape is None or tuple(got_shape) != shape or got.dtype != dtype:
         what = f"{type_name(got)}" if got_shape is None else f"{shape_of(got)} {got.dtype}"
+        hint = (
+            "return `score` modified elementwise (e.g. `score + bias[h, q_idx, kv_idx]`), "
+            "not a reduction or a Python number"
+        )
+        if got_shape is not None and tuple(got_shape) == shape:  # the dtype alone differs
+            hint = (
+                f"cast what you combine with it to {dtype} (NumPy promotes float32 with "
+                "int32 indices to float64: use e.g. `xp.astype(q_idx - kv_idx, score.dtype)`)"
+            )
         msg = (
             f"`score_mod` must return an array of the scores' shape and dtype ({shape} "
-            f"{dtype}), got {what}; return `score` modified elementwise (e.g. "
-            "`score + bias[h, q_idx, kv_idx]`), not a reduction or a Python number."
+            f"{dtype}), got {what}; {hint}."
         )
         raise ValueError(msg) if got_shape is not None and got.dtype == dtype else TypeError(msg)
 
