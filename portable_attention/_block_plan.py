@@ -121,6 +121,7 @@ def block_plan(
     h = xp.reshape(xp.arange(n_heads or 1, dtype=i32, device=dev), (n_heads or 1, 1, 1))
     kv_idx = xp.reshape(xp.arange(kv_len, dtype=i32, device=dev), (1, kv_len))
     nq, nk = -(-q_len // size), -(-kv_len // size)
+    _check_axes_used(mask_mod, xp, dev, n_batch, n_heads, min(size, q_len), kv_idx)
     kept: list[tuple[int, int]] = []
     full: set[tuple[int, int]] = set()
     for qi in range(nq):
@@ -141,6 +142,31 @@ def block_plan(
                 if block.all():
                     full.add((qi, ki))
     return BlockPlan(mask_mod, q_len, kv_len, size, n_batch, n_heads, tuple(kept), frozenset(full))
+
+
+def _check_axes_used(
+    mask_mod: Any, xp: Any, dev: Any, batch: int | None, heads: int | None, rows: int, kv_idx: Any
+) -> None:
+    """A plan built without ``heads=`` (``batch=``) is evaluated at index 0 only: a mod
+    whose result has a head (batch) axis, seen by calling it once with two heads (batch
+    rows), would have blocks skipped that other heads need."""
+    if rows == 0 or (heads is not None and batch is not None):
+        return
+    i32 = xp.int32
+    b = xp.reshape(xp.arange(batch or 2, dtype=i32, device=dev), (batch or 2, 1, 1, 1))
+    h = xp.reshape(xp.arange(heads or 2, dtype=i32, device=dev), (heads or 2, 1, 1))
+    q_idx = xp.reshape(xp.arange(rows, dtype=i32, device=dev), (rows, 1))
+    got = mask_mod(b, h, q_idx, kv_idx)
+    shape = tuple(getattr(got, "shape", ()))
+    for name, axis, given in (("heads", -3, heads), ("batch", -4, batch)):
+        if given is None and len(shape) >= -axis and shape[axis] > 1:
+            what = "head" if name == "heads" else "batch row"
+            msg = (
+                f"`mask_mod` reads `{name[0]}` (its result has a {what} axis, shape {shape}): "
+                f"build the plan with `{name}=` (without it only index 0 is evaluated, and "
+                "blocks other heads or rows need would be skipped)."
+            )
+            raise ValueError(msg)
 
 
 def _is_bool(xp: Any, x: Any) -> bool:

@@ -130,10 +130,12 @@ def block_allow(
     return extra if allow is None else allow & extra
 
 
-def masked_out(call: Call, allow: Any, concrete: Concrete | None) -> bool:
+def masked_out(call: Call, allow: Any, concrete: Concrete | None, mods: Mods | None) -> bool:
     """Whether a block's mask from segment ids or a ``mask_mod`` keeps nothing, where
-    that can be read (eagerly: one host read per block)."""
-    if concrete is None or allow is None or not call.modded:
+    that can be read (eagerly: one host read per block; none without ids or a mask_mod)."""
+    if concrete is None or allow is None or mods is None:
+        return False
+    if mods.q_ids is None and mods.mask_mod is None:
         return False
     return concrete(call.xp.any(allow)) is False
 
@@ -193,7 +195,7 @@ def forward(
         for ki in (ki for qj, ki in todo if qj == qi):
             cols = span(lk, size, ki)
             allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
-            if masked_out(call, allow, concrete):
+            if masked_out(call, allow, concrete, mods):
                 continue
             qb = ops.q[..., rows[0] : rows[1], :]
             kb = ops.k[..., cols[0] : cols[1], :]
@@ -400,7 +402,7 @@ def backward(
         for qi in (qi for qi, kj in todo if kj == ki):
             rows = span(lq, size, qi)
             allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
-            if masked_out(call, allow, concrete):
+            if masked_out(call, allow, concrete, mods):
                 continue
             qb = ops.q[..., rows[0] : rows[1], :]
             dob = do[..., rows[0] : rows[1], :]

@@ -357,7 +357,7 @@ def unsupported(call: Call, kernel: str) -> str | None:
     if call.segments is not None:
         return (
             f"{kernel} takes no segment ids: the portable path builds each block's mask from "
-            "them and skips blocks with no matching pair"
+            "them (its blockwise path skips blocks with no matching pair)"
         )
     if call.sinks_shape is not None:
         return f"{kernel} has no attention sinks and returns no lse to merge them with"

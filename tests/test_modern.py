@@ -672,8 +672,8 @@ def test_plan_says_the_path(backend: Backend, case: Case) -> None:
 def test_block_plans_match_brute_force(backend: Backend) -> None:
     """Every block plan of the cases: its kept and full blocks are those of the mod's
     dense mask (evaluated here on NumPy over the whole grid), it skips some blocks, and
-    one built without ``batch=``/``heads=`` for a mod that reads them would skip blocks
-    the call needs (so the cases test those arguments)."""
+    one built without ``batch=``/``heads=`` for a mod that reads them is refused (it
+    would skip blocks the call needs)."""
     saw_full = False
     for case in CASES:
         if case.block_plan is None:
@@ -690,9 +690,9 @@ def test_block_plans_match_brute_force(backend: Backend) -> None:
         saw_full = saw_full or bool(full)
         assert p.density < 1, case.id
         assert (p.q_len, p.kv_len, p.block_size) == (lq, lk, CHUNK)
-        if case.block_plan:  # built with batch=/heads=: at index 0 alone it keeps fewer
-            naive = block_plan(p.mask_mod, lq, lk, block_size=CHUNK, like=inp.q)
-            assert set(naive.kept) < kept, case.id
+        if case.block_plan:  # built with batch=/heads=: without them, refused
+            with pytest.raises(ValueError, match=r"reads `[bh]`.*build the plan with"):
+                block_plan(p.mask_mod, lq, lk, block_size=CHUNK, like=inp.q)
     assert saw_full
 
 
@@ -1697,3 +1697,17 @@ def test_dropout_with_sinks_and_segment_ids(backend: Backend) -> None:
         np.testing.assert_allclose(
             backend.to_numpy(got), oracle.numerical_grad(loss, a), **GRAD_TOL
         )
+
+
+@requires_backend("torch")
+def test_torch_score_mod_with_every_block_masked_gives_zero_gradients() -> None:
+    """A checkpointed score_mod call whose blocks are all masked: out 0, and q, k, v
+    still get (zero) gradients, as on every other path."""
+    import torch
+
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+    out = attend(
+        q, q, q, mask_mod=lambda b, h, a, c: a < 0, score_mod=lambda s, *_: s, chunk_size=2
+    )
+    out.sum().backward()
+    assert q.grad is not None and not q.grad.any() and not out.any()

@@ -398,6 +398,21 @@ def test_sinks_segments_and_mods(method: str) -> None:
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-12, err_msg=name)
 
 
+def test_ulysses_takes_a_pair_of_segment_ids() -> None:
+    """``segment_ids=(q_ids, kv_ids)`` through ``sharded_attend``: each array of the pair
+    placed on the mesh (replicated), the result that of one device."""
+    mesh = mesh_of(4)
+    q, k, v, _, _ = _inputs("ulysses-pair", jnp.float64, 8, 4, 32, 32)
+    q_ids = jnp.repeat(jnp.arange(4), 8)
+    kv_ids = jnp.repeat(jnp.arange(4), jnp.asarray([4, 12, 8, 8]), total_repeat_length=32)
+    options = {"segment_ids": (q_ids, kv_ids), "causal": True}
+    with jax.set_mesh(mesh):
+        out = parallel.sharded_attend(q, k, v, mesh=mesh, axis="s", method="ulysses", **options)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(pa.attend(q, k, v, **options)), atol=1e-12
+    )
+
+
 def test_ulysses_dropout_draws_per_shard() -> None:
     mesh = mesh_of(4)
     q, k, v, _, _ = _inputs("ulysses-dropout", jnp.float32, 8, 8, 32, 32)

@@ -319,9 +319,13 @@ def _checkpointed(
         out, lse = checkpoint(rows, q, k, v, mask, bias, use_reentrant=False)
         outs.append(out)
         lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, -2), torch.cat(lses, -1))
+    if not out.requires_grad and any(x.requires_grad for x in (q, k, v)):
+        # Every block was masked: out is 0 and no block touched q, k, v. Tie it to them
+        # with zero (finite, NaN-proof) gradients, as the other paths give.
+        ties = [torch.nan_to_num(x.sum() * 0, nan=0.0, posinf=0.0, neginf=0.0) for x in (q, k, v)]
+        out = out + (ties[0] + ties[1] + ties[2]).to(out.dtype)
+    return out, lse
 
 
 def fused_reason(call: _spec.Call) -> str | None:

@@ -371,7 +371,7 @@ def sharded_attend(
     static = tuple(sorted((key, _freeze(val)) for key, val in extra.items() if key not in arrays))
     seq = _seq_spec(q.ndim, -2, axis)
     placed = [_place(x, mesh, seq) for x in (q, k, v)]
-    placed += [_place(x, mesh, P()) for x in arrays.values()]  # replicated
+    placed += [jax.tree.map(lambda a: _place(a, mesh, P()), x) for x in arrays.values()]
     try:
         function = _sharded_function(mesh, axis, method, layout, static, tuple(arrays), q.ndim)
     except TypeError:  # an unhashable static option: build it for this call alone
