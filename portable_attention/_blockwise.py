@@ -140,6 +140,15 @@ def masked_out(call: Call, allow: Any, concrete: Concrete | None, mods: Mods | N
     return concrete(call.xp.any(allow)) is False
 
 
+def _by_first(todo: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """``{a: [b, ...]}`` of the pairs ``(a, b)``, in their order: each block's partners
+    in one pass (scanning the list per block was ``O(blocks * pairs)`` Python steps)."""
+    grouped: dict[int, list[int]] = {}
+    for a, b in todo:
+        grouped.setdefault(a, []).append(b)
+    return grouped
+
+
 def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:
     """The number of block ``(qi, ki)`` that dropout's keep masks are drawn for."""
     return qi * n_key_blocks + ki
@@ -175,7 +184,7 @@ def forward(
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     size = block_size(call)
     nk = grid(call, size)[1]
-    todo = pairs(call, size)
+    keys_of = _by_first(pairs(call, size))  # query block -> its key blocks, in order
     bounded = bounded_scores(call)
     dv = call.v_shape[-1]
     # Without dropout the row sums ride along in the matmul: e @ [v, 1] = [e @ v, sum(e)].
@@ -192,7 +201,7 @@ def forward(
         m = xp.full((*lead, 1), -xp.inf, dtype=ct, device=dev)
         total = xp.zeros((*lead, 1), dtype=ct, device=dev)
         acc = xp.zeros((*lead, v.shape[-1]), dtype=ct, device=dev)
-        for ki in (ki for qj, ki in todo if qj == qi):
+        for ki in keys_of.get(qi, ()):
             cols = span(lk, size, ki)
             allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
             if masked_out(call, allow, concrete, mods):
@@ -369,7 +378,7 @@ def backward(
     lse_g = xp.where(lse_g == -xp.inf, xp.inf, lse_g)
     size = block_size(call)
     nq, nk = grid(call, size)
-    todo = pairs(call, size)
+    queries_of = _by_first([(ki, qi) for qi, ki in pairs(call, size)])  # key block -> queries
     bias_shape = tuple(ops.bias.shape) if dbias_wanted else ()
     # One column more in a matmul instead of a pass over each block: [dout, delta] @
     # [v, -1]^T = dp - delta (not with dropout, whose mask applies to dp alone), and
@@ -399,7 +408,7 @@ def backward(
         if fold_delta:
             vb_aug = xp.concat([vb, -xp.ones(column, dtype=vb.dtype, device=call.device)], axis=-1)
         dk_b = dv_b = None
-        for qi in (qi for qi, kj in todo if kj == ki):
+        for qi in queries_of.get(ki, ()):
             rows = span(lq, size, qi)
             allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
             if masked_out(call, allow, concrete, mods):
