@@ -323,8 +323,10 @@ def _block(
     if m is None and not _sums_in_range(total, block_sum):
         _block(call, ops, rows, keep, out, weights, lse, mods, row_max=True)
         return
-    shift = None if m is None else (m * _LN2 if base2 else m)
-    total, block_lse = _core.finish_rows(np, total, shift)  # [..., rows, 1]: a small pass
+    block_lse = None
+    if lse is not None or guarded:  # (else every row has a key: the sums divide as they are)
+        shift = None if m is None else (m * _LN2 if base2 else m)
+        total, block_lse = _core.finish_rows(np, total, shift)  # [..., rows, 1]: small
     if weights is not None:
         if narrow:
             weights[..., r, : cols[0]] = 0
@@ -335,7 +337,7 @@ def _block(
         np.multiply(s, 1.0 / (1.0 - call.dropout), out=s)
         block_sum = np.matmul(s, vb)
     np.divide(block_sum, total, out=out[..., r, :])
-    if lse is not None:
+    if lse is not None and block_lse is not None:
         lse[..., r] = block_lse[..., 0]
 
 
