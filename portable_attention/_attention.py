@@ -156,26 +156,9 @@ def attend(
     key = _memo.key(q, k, v, mask, bias, options)
     known = _memo.get(type(q), key)
     if known is None:
-        call = validate_call(
-            q,
-            k,
-            v,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            window=window,
-            scale=scale,
-            softcap=softcap,
-            dropout=dropout,
-            rng=rng,
-            chunk_size=chunk_size,
-            return_weights=return_weights,
-            return_lse=return_lse,
-        )
-        path = choose(call, check_implementation(implementation)).path
-        known = (call, *_runner(call, path))
+        known = _validated(q, k, v, mask, bias, rng, options)
         if key is None:  # the first call of these array types: learn their keys
-            _memo.register(call, q, k, v, mask, bias)
+            _memo.register(known[0], q, k, v, mask, bias)
             key = _memo.key(q, k, v, mask, bias, options)
         if key is not None:
             _memo.put(type(q), key, known)
@@ -199,6 +182,30 @@ def _attend_modded(
 ) -> Any:
     """A call with sinks, segment ids or mods: validated and planned each time (their
     arrays and functions are not memo keys), then run as any other call."""
+    call, run, prepared = _validated(
+        q, k, v, mask, bias, rng, options, sinks, segment_ids, score_mod, mask_mod
+    )
+    assert run is not None and prepared is None  # fused kernels decline these calls
+    return run(
+        q, k, v, mask, bias, rng, _mods.prepare(call, segment_ids, score_mod, mask_mod), sinks
+    )
+
+
+def _validated(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    rng: Any,
+    options: tuple[Any, ...],
+    sinks: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+) -> tuple[Call, Runner | None, Prepared | None]:
+    """``(call, runner, prepared kernel)`` of a call: validated, planned, its runner built
+    (:func:`_runner`); ``options`` is attend's option tuple (the memo's)."""
     causal, window, scale, softcap, dropout, _, chunk_size, weights, lse, implementation = options
     call = validate_call(
         q,
@@ -221,11 +228,7 @@ def _attend_modded(
         mask_mod=mask_mod,
     )
     path = choose(call, check_implementation(implementation)).path
-    run, prepared = _runner(call, path)
-    assert run is not None and prepared is None  # fused kernels decline these calls
-    return run(
-        q, k, v, mask, bias, rng, _mods.prepare(call, segment_ids, score_mod, mask_mod), sinks
-    )
+    return (call, *_runner(call, path))
 
 
 def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
