@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from portable_attention import _core, _mods
+from portable_attention._block_math import BlockMath
 from portable_attention._checks import is_kind, shape_of
 from portable_attention._core import Scores, allowed, block_of, operands
 from portable_attention._mods import Mods
@@ -167,6 +168,7 @@ def forward(
     mods: Mods | None = None,
     concrete: Concrete | None = None,
     query_blocks: tuple[int, int] | None = None,
+    math: BlockMath | None = None,
 ) -> tuple[Any, Any]:
     """Online-softmax attention over the blocks of :func:`pairs`; returns ``(out, lse)``.
 
@@ -174,25 +176,22 @@ def forward(
     dtype, as :func:`_core.dense`. ``keep``: dropout's keep masks, one per block.
     ``mods``: segment ids and score/mask mods; with ``concrete`` (eager frameworks),
     blocks that they mask entirely are skipped. ``query_blocks=(start, stop)``: only the
-    rows of those query blocks (their ``out`` and ``lse``).
+    rows of those query blocks (their ``out`` and ``lse``). ``math``: the blocks'
+    elementwise steps (:func:`block_math`).
     """
     if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
         out, _, lse = _core._empty_keys(call, q, k, v)
         return out, lse
     xp, ct, dev = call.xp, call.compute_dtype, call.device
+    math = block_math(call, math)
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     size = block_size(call)
     nk = grid(call, size)[1]
     keys_of = _by_first(pairs(call, size))  # query block -> its key blocks, in order
     bounded = bounded_scores(call)
-    dv = call.v_shape[-1]
-    # Without dropout the row sums ride along in the matmul: e @ [v, 1] = [e @ v, sum(e)].
-    summed = keep is None
-    v = ops.v
-    if summed:
-        ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=dev)
-        v = xp.concat([v, ones], axis=-1)
+    # (The row sums as a column of ones in v, e @ [v, 1], took twice the time of
+    # e @ v and a sum on torch's CPU kernels: 65 columns run as 80.)
     out_blocks, lse_blocks = [], []
     first, stop = query_blocks if query_blocks is not None else (0, grid(call, size)[0])
     for qi in range(first, stop):
@@ -200,7 +199,7 @@ def forward(
         lead = (*ops.q.shape[:-2], rows[1] - rows[0])
         m = xp.full((*lead, 1), -xp.inf, dtype=ct, device=dev)
         total = xp.zeros((*lead, 1), dtype=ct, device=dev)
-        acc = xp.zeros((*lead, v.shape[-1]), dtype=ct, device=dev)
+        acc = xp.zeros((*lead, call.v_shape[-1]), dtype=ct, device=dev)
         for ki in keys_of.get(qi, ()):
             cols = span(lk, size, ki)
             allow = block_allow(call, ops, mods, rows, cols, (qi, ki))
@@ -208,29 +207,24 @@ def forward(
                 continue
             qb = ops.q[..., rows[0] : rows[1], :]
             kb = ops.k[..., cols[0] : cols[1], :]
-            s, _ = block_scores(call, ops, qb, kb, rows, cols, scores, allow=allow, mods=mods)
-            vb = v[..., cols[0] : cols[1], :]
+            s, _ = block_scores(
+                call, ops, qb, kb, rows, cols, scores, allow=allow, mods=mods, math=math
+            )
             if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
-                e = xp.exp(s)
-                if keep is not None:
-                    total = total + xp.sum(e, axis=-1, keepdims=True)
-                    kept = keep(block_number(qi, ki, nk), tuple(e.shape))
-                    e = _core.apply_keep(xp, e, kept, call.dropout)
-                acc = acc + xp.matmul(e, vb)
-                continue
-            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
-            m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
-            e = xp.exp(s - m_safe)
-            rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
+                e = math.exp(s)
+                total = math.add(total, xp.sum(e, axis=-1, keepdims=True))
+            else:
+                m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+                m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
+                e = math.exp_shifted(s, m_safe)
+                rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
+                total = math.add(math.mul(total, rescale), xp.sum(e, axis=-1, keepdims=True))
+                acc = math.mul(acc, rescale)
+                m = m_new
             if keep is not None:
-                total = rescale * total + xp.sum(e, axis=-1, keepdims=True)
-                e = _core.apply_keep(
-                    xp, e, keep(block_number(qi, ki, nk), tuple(e.shape)), call.dropout
-                )
-            acc = rescale * acc + xp.matmul(e, vb)
-            m = m_new
-        if summed:
-            acc, total = acc[..., :dv], acc[..., dv:]
+                kept = keep(block_number(qi, ki, nk), tuple(e.shape))
+                e = _core.apply_keep(xp, e, kept, call.dropout)
+            acc = math.matmul_add(acc, e, ops.v[..., cols[0] : cols[1], :])
         shift = None if bounded else xp.where(xp.isfinite(m), m, 0.0)
         total_safe, block_lse = _core.finish_rows(xp, total, shift)
         out_blocks.append(acc / total_safe)
@@ -262,6 +256,15 @@ def q_factor(call: Call) -> float:
     return call.scale / call.softcap if call.softcap is not None else call.scale
 
 
+def block_math(call: Call, math: BlockMath | None) -> BlockMath:
+    """The steps a pass takes: the adapter's ``math``, but the functional ones for a call
+    with a ``score_mod`` (whose result may be any array of the block's shape, which an
+    in-place step must not overwrite) or where none is given."""
+    if math is None or call.score_mod:
+        return BlockMath(call.xp)
+    return math
+
+
 def block_scores(
     call: Call,
     ops: Any,
@@ -273,24 +276,32 @@ def block_scores(
     *,
     allow: Any,
     mods: Mods | None = None,
+    math: BlockMath,
+    need_t: bool = False,
 ) -> tuple[Any, Any]:
     """``(s, t)`` of one block: the scores after softcap, bias, ``score_mod`` and the
-    block's mask ``allow`` (:func:`block_allow`; ``-inf`` where masked), and ``t = tanh(q
-    k^T * scale / softcap)`` (None without softcap), from operands whose q carries
-    :func:`q_factor`."""
+    block's mask ``allow`` (:func:`block_allow`; ``-inf`` where masked), and, where
+    ``need_t``, ``t = tanh(q k^T * scale / softcap)`` (None without softcap), from operands
+    whose q carries :func:`q_factor`."""
     xp = call.xp
-    s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
+    if scores is not None:
+        s = scores(qb, kb)
+    else:
+        s = math.product(qb, xp.matrix_transpose(kb), slot="scores")
     t = None
     if call.softcap is not None:
-        t = xp.tanh(s)
-        s = call.softcap * t
+        if need_t:
+            t = math.tanh(s)
+            s = math.scaled_copy(t, call.softcap)
+        else:
+            s = math.scaled(math.tanh(s), call.softcap)
     if ops.bias is not None:
-        s = s + block_of(ops.bias, rows, cols)
+        s = math.add(s, block_of(ops.bias, rows, cols))
     if mods is not None and mods.score_mod is not None:
         spans = ((rows[0], rows[1] - rows[0]), (cols[0], cols[1] - cols[0]))
         s = _mods.apply_score_mod(call, mods, s, *spans)
     if allow is not None:
-        s = xp.where(allow, s, -xp.inf)
+        s = math.masked(s, allow)
     return s, t
 
 
@@ -312,6 +323,15 @@ def grouped(call: Call, x: Any, *, last: int | None) -> Any:
 def _sum_group(call: Call, x: Any) -> Any:
     """``[..., Hk, G, L, D] -> [..., Hk, 1, L, D]``: the query heads of a K/V head summed."""
     return call.xp.sum(x, axis=-3, keepdims=True) if call.grouped else x
+
+
+def _add_product(call: Call, math: BlockMath, acc: Any, a: Any, b: Any) -> Any:
+    """``acc + a @ b`` with grouped-query heads summed over their group (``a @ b``
+    where ``acc`` is None)."""
+    if not call.grouped:
+        return math.matmul_add(acc, a, b)
+    product = _sum_group(call, call.xp.matmul(a, b))
+    return product if acc is None else math.add(acc, product)
 
 
 def _reduce_to(xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
@@ -338,6 +358,7 @@ def backward(
     mods: Mods | None = None,
     concrete: Concrete | None = None,
     sinks: Any = None,
+    math: BlockMath | None = None,
 ) -> Grads:
     """FlashAttention-2's backward over the blocks of :func:`pairs` (see the module).
 
@@ -348,10 +369,12 @@ def backward(
     JAX differentiate it on their own paths). ``sinks``: with the ``lse`` that includes
     them, every block's ``exp(s - lse)`` is already the probability with the sink in the
     denominator; ``dsinks`` comes from the rows' ``delta`` (:func:`_mods.sinks_grad`).
-    Returns :class:`Grads` in the inputs' dtypes and shapes.
+    ``math``: the blocks' elementwise steps (:func:`block_math`). Returns :class:`Grads`
+    in the inputs' dtypes and shapes.
     """
     assert not call.score_mod, "the array-API backward cannot differentiate a score_mod"
     xp = call.xp
+    math = block_math(call, math)
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     dbias_wanted = bias is not None and want_dbias
     if lq == 0 or lk == 0:
@@ -417,14 +440,25 @@ def backward(
             dob = do[..., rows[0] : rows[1], :]
             if fold_lse:
                 qb_aug = q_aug[..., rows[0] : rows[1], :]
-                s_lse, t = block_scores(call, ops, qb_aug, kb_aug, rows, cols, scores, allow=allow)
-                p = xp.exp(s_lse)
+                s_lse, t = block_scores(
+                    call, ops, qb_aug, kb_aug, rows, cols, scores, allow=allow, math=math
+                )
+                p = math.exp(s_lse)
             else:
-                s, t = block_scores(call, ops, qb, kb, rows, cols, scores, allow=allow)
-                p = xp.exp(s) if bounded else xp.exp(s - lse_g[..., rows[0] : rows[1], None])
+                s, t = block_scores(
+                    call, ops, qb, kb, rows, cols, scores, allow=allow, math=math, need_t=True
+                )
+                if bounded:
+                    p = math.exp(s)
+                else:
+                    p = math.exp_shifted(s, lse_g[..., rows[0] : rows[1], None])
             p_used = p
-            if keep is None:  # fold_delta
-                dp_delta = xp.matmul(do_aug[..., rows[0] : rows[1], :], xp.matrix_transpose(vb_aug))
+            if keep is None:  # fold_delta (no buffer where dbias may keep ds, made from it)
+                dp_delta = math.product(
+                    do_aug[..., rows[0] : rows[1], :],
+                    xp.matrix_transpose(vb_aug),
+                    slot=None if dbias_wanted else "dp",
+                )
             else:
                 dp = xp.matmul(dob, xp.matrix_transpose(vb))
                 kept = keep(block_number(qi, ki, nk), tuple(p.shape))
@@ -433,9 +467,8 @@ def backward(
                     _core.apply_keep(xp, dp, kept, call.dropout)
                     - delta[..., rows[0] : rows[1], None]
                 )
-            dv_new = _sum_group(call, xp.matmul(xp.matrix_transpose(p_used), dob))
-            dv_b = dv_new if dv_b is None else dv_b + dv_new
-            ds = p * dp_delta
+            dv_b = _add_product(call, math, dv_b, xp.matrix_transpose(p_used), dob)
+            ds = math.mul(dp_delta, p)
             if dbias_wanted:
                 key = (qi if bias_shape[-2] != 1 else 0, ki if bias_shape[-1] != 1 else 0)
                 target = (
@@ -445,12 +478,10 @@ def backward(
                 )
                 db = _reduce_to(xp, ds, target)
                 db_blocks[key] = db if key not in db_blocks else db_blocks[key] + db
-            if t is not None:
-                ds = ds * (1.0 - t * t)
-            dq_new = xp.matmul(ds, kb)
-            dq_blocks[qi] = dq_new if qi not in dq_blocks else dq_blocks[qi] + dq_new
-            dk_new = _sum_group(call, xp.matmul(xp.matrix_transpose(ds), qb))
-            dk_b = dk_new if dk_b is None else dk_b + dk_new
+            if t is not None:  # (functionally where dbias may hold ds itself)
+                ds = (BlockMath(xp) if dbias_wanted else math).softcap_grad(ds, t)
+            dq_blocks[qi] = math.matmul_add(dq_blocks.get(qi), ds, kb)
+            dk_b = _add_product(call, math, dk_b, xp.matrix_transpose(ds), qb)
         width = cols[1] - cols[0]
         dk_blocks.append(dk_b if dk_b is not None else _zeros(call, ops.k, width))
         dv_blocks.append(dv_b if dv_b is not None else _zeros(call, ops.v, width))

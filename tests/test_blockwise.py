@@ -111,6 +111,16 @@ CASES = [
         chunk=4,
         kwargs={"softcap": 1.5, "scale": 0.8, "causal": True},
     ),
+    Case(
+        # A bias of the scores' own shape: each block's dbias is ds itself, before
+        # softcap's derivative (which an in-place step must not write into it).
+        "bias_softcap",
+        (1, 2, 6, 3),
+        (1, 2, 7, 3),
+        (1, 2, 7, 2),
+        bias=lambda rng: randn(rng, (1, 2, 6, 7)),
+        kwargs={"softcap": 2.0, "causal": True},
+    ),
     Case("two_d", (5, 3), (7, 3), (7, 4), chunk=2, kwargs={"window": (None, 1)}),
     Case("one_block", (1, 2, 5, 3), (1, 2, 7, 3), (1, 2, 7, 2), chunk=64),
 ]
