@@ -55,6 +55,11 @@ class BlockMath:
         """``s`` with ``-inf`` where ``allow`` (which broadcasts to ``s``) is False."""
         return self.xp.where(allow, s, -self.xp.inf)
 
+    def zeroed(self, p: Any, allow: Any) -> Any:
+        """``p`` with 0 where ``allow`` (which broadcasts to ``p``) is False; ``p`` is
+        finite (a subclass may multiply by the mask)."""
+        return self.xp.where(allow, p, 0.0)
+
     def add(self, acc: Any, x: Any) -> Any:
         """``acc + x`` (of the same shape)."""
         return acc + x

@@ -147,6 +147,11 @@ class InPlaceMath(BlockMath):
             return super().masked(s, allow)
         return s.masked_fill_(allow.logical_not(), -torch.inf)
 
+    def zeroed(self, p: Any, allow: Any) -> Any:
+        if not _fits(p, allow):
+            return super().zeroed(p, allow)
+        return p.mul_(allow)  # p is finite (bounded scores): 4x masked_fill_'s speed
+
     def add(self, acc: Any, x: Any) -> Any:
         return acc.add_(x) if _fits(acc, x) else acc + x
 
