@@ -9,7 +9,11 @@ agreement of that path with the portable path (elementwise, within the package's
 tolerance table, :func:`gpu_tolerance`: float32 on a GPU gets float16's row for TF32),
 rows with no key giving
 exactly 0 and finite gradients, and the ratio of each anchor's time to ours (torch SDPA,
-jax.nn with cudnn), as in ``python -m portable_attention bench``.
+jax.nn with cudnn), as in ``python -m portable_attention bench``. Training (issue 16): the
+blockwise path's gradients in each dtype (torch autograd, ``jax.grad``, CuPy's
+``attend_backward``) as close to float32's as SDPA's or jax.nn's own gradients in that
+dtype, and the training row's time ratio against SDPA. Sinks, segment ids and a
+``mask_mod`` (issue 18) on the device, against the same call on the CPU in float64.
 
 Each framework runs in a process of its own (``--section NAME``) under a time limit, so
 that a crash or hang in one cannot take the others' results, and JAX never meets the
@@ -129,6 +133,8 @@ def torch_cuda() -> bool:
         return False
     print(f"torch device 0: {torch.cuda.get_device_name(0)}")
     torch_checks("cuda", SHAPES, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
+    torch_training("cuda", 1024, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
+    section("torch training row", functools.partial(_torch_training_row, "cuda", 8192))
     return True
 
 
@@ -210,6 +216,122 @@ def _torch_masked_rows(device: str, dt: Any, dtype: str, sync: Callable[[], Any]
     check(f"torch {dtype} fully-masked rows: zero dq", float(dq[:, :, 1::3].abs().max()), 0.0)
 
 
+def relative_error(got: Any, ref: Any) -> float:
+    """``max |got - ref| / max |ref|`` on the host in float64 (NaN where either has one)."""
+    a, r = to_numpy(got, dtype="float64"), to_numpy(ref, dtype="float64")
+    scale = float(np.max(np.abs(r))) or 1.0
+    return float(np.max(np.abs(a - r))) / scale
+
+
+def torch_training(
+    device: str, length: int, dtypes: tuple[str, ...], sync: Callable[[], Any]
+) -> None:
+    """The blockwise path's gradients in each dtype against SDPA's, and sinks, segment
+    ids and a ``mask_mod`` against the CPU in float64 (the tests run them on the CPU)."""
+    for dtype in dtypes:
+        name = f"torch {dtype} blockwise gradients L={length}"
+        section(name, functools.partial(_torch_blockwise_grads, name, device, dtype, length))
+    section("torch sinks, segment ids, mask_mod", functools.partial(_torch_modern, device))
+
+
+def _torch_blockwise_grads(name: str, device: str, dtype: str, length: int) -> None:
+    """``attend(causal=True, chunk_size=length // 4)`` (the blockwise path) in ``dtype``:
+    each gradient within twice SDPA's own distance, in ``dtype``, from SDPA's float32
+    gradients (or the dtype's tolerance, where SDPA's distance is smaller)."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    base = [torch.randn(1, 8, length, 64, generator=gen).to(device) for _ in range(4)]
+    weight = base[3]
+
+    def grads(fn: Callable[..., Any], dt: Any) -> list[Any]:
+        xs = [x.to(dt).detach().requires_grad_() for x in base[:3]]
+        (fn(*xs).float() * weight).sum().backward()
+        return [x.grad for x in xs]
+
+    def sdpa(q: Any, k: Any, v: Any) -> Any:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    dt = getattr(torch, dtype)
+    chunk = max(length // 4, 1)
+    p = plan(*(x.to(dt) for x in base[:3]), causal=True, chunk_size=chunk)
+    expect(f"{name} path", p.path == "portable:chunked", p.path)
+    ref = grads(sdpa, torch.float32)
+    theirs = grads(sdpa, dt)
+    ours = grads(lambda q, k, v: attend(q, k, v, causal=True, chunk_size=chunk), dt)
+    floor = gpu_tolerance(dtype, device != "cpu").rtol
+    for label, mine, other, exact in zip(("dq", "dk", "dv"), ours, theirs, ref, strict=True):
+        bound = max(2 * relative_error(other, exact), floor)
+        check(f"{name} {label}", relative_error(mine, exact), bound, "(relative to max |g|)")
+
+
+def _torch_modern(device: str) -> None:
+    """Sinks, segment ids (three packed sequences) and a sliding ``mask_mod`` with causal,
+    float32 on ``device``: output and gradients against the same call in float64 on the
+    CPU."""
+    import torch
+
+    from portable_attention import masks
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 96, 32, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    ids = masks.segment_ids_from_lengths(torch.tensor([[40, 30, 26], [96, 0, 0]]), 96)
+
+    def window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx - kv_idx < 24
+
+    def run(dev: str, dt: Any) -> tuple[Any, list[Any]]:
+        xs = [x.to(device=dev, dtype=dt).detach().requires_grad_() for x in (q, k, v, sinks)]
+        out = attend(
+            *xs[:3], causal=True, sinks=xs[3], segment_ids=ids.to(dev), mask_mod=window,
+            chunk_size=32,
+        )  # fmt: skip
+        out.sum().backward()
+        return out, [x.grad for x in xs]
+
+    out, grads = run(device, torch.float32)
+    ref_out, ref_grads = run("cpu", torch.float64)
+    tol = 10 * gpu_tolerance("float32", device != "cpu").rtol
+    rel = "(relative to max |x|)"
+    check("torch sinks/segments/mask_mod output", relative_error(out, ref_out), tol, rel)
+    for label, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=True):
+        check(f"torch sinks/segments/mask_mod {label}", relative_error(g, r), tol, rel)
+
+
+def _torch_training_row(device: str, length: int) -> None:
+    """The training row of ``python -m portable_attention bench``: ``[1, 8, L, 64]``
+    float32, ``causal=True, softcap=30.0`` forward + backward, against SDPA's causal."""
+    import torch
+    import torch.nn.functional as F
+
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 8, length, 64, generator=gen).to(device).requires_grad_() for _ in range(3)
+    )
+
+    def step(fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            fn().sum().backward()
+            for x in (q, k, v):
+                x.grad = None
+
+        return run
+
+    path = plan(q, k, v, causal=True, softcap=30.0).path
+    ours = timed(step(lambda: attend(q, k, v, causal=True, softcap=30.0)), sync, repeats=3)
+    anchor = timed(
+        step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), sync, repeats=3
+    )
+    expect(
+        f"torch training row L={length} [{path}]",
+        True,
+        f"ours {ours * 1e3:.1f} ms, SDPA causal {anchor * 1e3:.1f} ms, speed {anchor / ours:.2f}",
+    )
+
+
 def jax_gpu() -> bool:
     import jax
 
@@ -218,6 +340,9 @@ def jax_gpu() -> bool:
         print("jax: no GPU backend")
         return False
     jax_checks(SHAPES, ("float16", "bfloat16", "float32"), "fused:jax")
+    for dtype in ("float16", "bfloat16", "float32"):
+        name = f"jax {dtype} blockwise gradients L=1024"
+        section(name, functools.partial(_jax_blockwise_grads, name, dtype, 1024))
     return True
 
 
@@ -279,6 +404,39 @@ def _jax_case(
     agree(f"{name} [{p.path}]", out, ref, dtype, on_gpu, f"ratio {anchor / ours:.2f}")
 
 
+def _jax_blockwise_grads(name: str, dtype: str, length: int) -> None:
+    """``jit(grad)`` of ``attend(causal=True, chunk_size=length // 4)`` (the blockwise
+    ``custom_vjp``) in ``dtype``: each gradient within twice jax.nn's own distance, in
+    ``dtype``, from jax.nn's float32 gradients (or the dtype's tolerance)."""
+    import jax
+    import jax.numpy as jnp
+
+    on_gpu = jax.default_backend() == "gpu"
+    keys = jax.random.split(jax.random.key(0), 4)
+    base = [jax.random.normal(key, (1, 8, length, 64)) for key in keys]
+    chunk = max(length // 4, 1)
+
+    def grads(fn: Callable[..., Any], dt: str) -> Any:
+        def loss(q: Any, k: Any, v: Any) -> Any:
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) * base[3])
+
+        return jax.jit(jax.grad(loss, (0, 1, 2)))(*(x.astype(dt) for x in base[:3]))
+
+    def nn(q: Any, k: Any, v: Any) -> Any:
+        btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+        return jnp.swapaxes(jax.nn.dot_product_attention(*btnh, is_causal=True), 1, 2)
+
+    p = plan(*(x.astype(dtype) for x in base[:3]), causal=True, chunk_size=chunk)
+    expect(f"{name} path", p.path == "portable:chunked", p.path)
+    ref = grads(nn, "float32")
+    theirs = grads(nn, dtype)
+    ours = grads(lambda q, k, v: attend(q, k, v, causal=True, chunk_size=chunk), dtype)
+    floor = gpu_tolerance(dtype, on_gpu).rtol
+    for label, mine, other, exact in zip(("dq", "dk", "dv"), ours, theirs, ref, strict=True):
+        bound = max(2 * relative_error(other, exact), floor)
+        check(f"{name} {label}", relative_error(mine, exact), bound, "(relative to max |g|)")
+
+
 def _jax_masked_rows(dtype: str) -> None:
     """Rows with no key under jit: outputs exactly 0 and finite, zero gradients (jax.nn
     gives the mean of V there; the adapter must restore zeros)."""
@@ -333,7 +491,37 @@ def cupy_via_torch() -> bool:
     mask[1::3] = False
     out = attend(q, k, v, mask=mask)
     check("cupy fully-masked rows are 0", float(cupy.abs(out[:, :, 1::3]).max()), 0.0)
+    section("cupy attend_backward", functools.partial(_array_backward, cupy))
     return True
+
+
+def _array_backward(xp: Any) -> None:
+    """``attend_backward`` (causal, softcap, segment ids, chunks of 32) on ``xp``'s float32
+    arrays against NumPy's float64: the result in ``xp``'s arrays, each gradient within 10x
+    float32's tolerance (relative to its largest entry). The tests run it on NumPy."""
+    from portable_attention import attend_backward
+
+    rng = np.random.default_rng(2)
+    host = [rng.standard_normal((2, 4, 80, 32)) for _ in range(4)]
+    ids = np.repeat(np.array([[0, 1]]), 40, axis=1)
+    kw: dict[str, Any] = {"causal": True, "softcap": 20.0, "chunk_size": 32}
+
+    def run(arrays: list[Any], seg: Any) -> Any:
+        q, k, v, dout = arrays
+        out, lse = attend(q, k, v, segment_ids=seg, return_lse=True, **kw)
+        return attend_backward(dout, q, k, v, out, lse, segment_ids=seg, **kw)
+
+    got = run([xp.asarray(x, dtype=xp.float32) for x in host], xp.asarray(ids))
+    ref = run(host, ids)
+    expect(
+        f"{xp.__name__} attend_backward result type",
+        type(got.dq) is type(xp.asarray(0.0)),
+        type(got.dq).__name__,
+    )
+    tol = 10 * gpu_tolerance("float32", xp is not np).rtol
+    for label in ("dq", "dk", "dv"):
+        err = relative_error(getattr(got, label), getattr(ref, label))
+        check(f"{xp.__name__} attend_backward {label}", err, tol, "(relative to max |g|)")
 
 
 SECTIONS: dict[str, Callable[[], bool]] = {  # in running order: JAX compiles the most

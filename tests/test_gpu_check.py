@@ -45,6 +45,29 @@ def test_jax_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     assert len(gpu_check.passed) == 2 * 2 + 3
 
 
+@requires_backend("torch")
+def test_torch_training_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
+    gpu_check.torch_training("cpu", 64, ("float32", "bfloat16"), lambda: None)
+    gpu_check._torch_training_row("cpu", 64)
+    assert gpu_check.failures == []
+    # Per dtype: the path and 3 gradients; output and 4 gradients of the modern call; the row.
+    assert len(gpu_check.passed) == 2 * 4 + 5 + 1
+
+
+@requires_backend("jax")
+def test_jax_training_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
+    gpu_check._jax_blockwise_grads("jax float32 blockwise", "float32", 64)
+    assert gpu_check.failures == []
+    assert len(gpu_check.passed) == 4  # the path and 3 gradients
+
+
+def test_array_backward_check_passes_on_numpy(gpu_check: ModuleType) -> None:
+    """CuPy's attend_backward check, run on NumPy float32 against float64."""
+    gpu_check._array_backward(np)
+    assert gpu_check.failures == []
+    assert len(gpu_check.passed) == 4  # the result type and 3 gradients
+
+
 def test_tolerances_come_from_the_packages_table(gpu_check: ModuleType) -> None:
     """The package's one table; on a GPU float32 gets float16's row (TF32 matmuls)."""
     for dtype in ("float32", "float16", "bfloat16"):
