@@ -8,10 +8,18 @@ subclass that does (``Adapter.block_math``): on a ``[8, 256, 256]`` float32 bloc
 pass over memory and a fresh buffer less), and both passes of the blockwise path make
 several such steps per block.
 
-The contract a subclass may rely on: the **first argument of every method is a block
-that the caller made in the same step and does not read again** (never an input of
-``attend``, never an array that autodiff records), so a method may overwrite it and
-return it. Arguments after the first are only read.
+The contract a subclass may rely on:
+
+- Every method except :meth:`~BlockMath.product` and :meth:`~BlockMath.scaled_copy` may
+  overwrite its **first argument** and return it. That argument is an array the blockwise
+  loop made itself, never an input of ``attend``, never an array that autodiff records,
+  and the caller reads its old value no more: a block of scores or probabilities made in
+  the same step, or an accumulator (``acc``, a row sum, a block of ``dq``) that the result
+  replaces. :meth:`~BlockMath.softcap_grad` may overwrite ``t`` as well.
+- :meth:`~BlockMath.product` and :meth:`~BlockMath.scaled_copy` only read their
+  arguments; their result may be a buffer that the next call (of the same slot) writes
+  again, so the caller uses it within the step.
+- Arguments after the first are only read.
 """
 
 from __future__ import annotations
@@ -56,8 +64,8 @@ class BlockMath:
         return self.xp.where(allow, s, -self.xp.inf)
 
     def zeroed(self, p: Any, allow: Any) -> Any:
-        """``p`` with 0 where ``allow`` (which broadcasts to ``p``) is False; ``p`` is
-        finite (a subclass may multiply by the mask)."""
+        """``p`` with 0 where ``allow`` (which broadcasts to ``p``) is False, whatever
+        ``p`` holds there (a NaN included: not a product with the mask)."""
         return self.xp.where(allow, p, 0.0)
 
     def add(self, acc: Any, x: Any) -> Any:

@@ -223,6 +223,68 @@ def test_attend_backward_matches_oracle(backend: Backend, case: Case) -> None:
         np.testing.assert_array_equal(backend.to_numpy(x), b)
 
 
+@pytest.mark.parametrize(("dk", "dv"), [(0, 3), (3, 0)])
+def test_attend_backward_zero_head_dims(backend: Backend, dk: int, dv: int) -> None:
+    """Dk = 0 (every score is 0: each query averages the values it may see) or Dv = 0,
+    with as many query heads as key heads (one batched multiply-add per block on torch)
+    and several blocks."""
+    rng = rng_for("blockwise", "zero-dims", dk, dv)
+    q_np, k_np = randn(rng, (1, 2, 6, dk)), randn(rng, (1, 2, 6, dk))
+    v_np, dout_np = randn(rng, (1, 2, 6, dv)), randn(rng, (1, 2, 6, dv))
+    q, k, v, dout = (backend.asarray(x, "float64") for x in (q_np, k_np, v_np, dout_np))
+    out, lse = attend(q, k, v, causal=True, chunk_size=2, return_lse=True)
+    g = attend_backward(dout, q, k, v, out, lse, causal=True, chunk_size=2)
+    for grad, x in zip(g[:3], (q, k, v), strict=True):
+        assert_like(grad, x, shape=tuple(x.shape), dtype=x.dtype)
+    # Dk = 0: p is uniform over the keys j <= i; Dv = 0: dp = 0 = delta, so ds = 0.
+    p = np.tril(np.ones((6, 6))) / np.arange(1, 7)[:, None]
+    np.testing.assert_allclose(backend.to_numpy(g.dv), np.einsum("qk,bhqd->bhkd", p, dout_np))
+    for grad in (g.dq, g.dk):
+        np.testing.assert_array_equal(backend.to_numpy(grad), 0.0)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_nan_in_a_masked_key_stays_out(backend: Backend, softcap: float | None) -> None:
+    """A NaN in a key that the mask hides (a cache's unwritten slot) changes nothing:
+    with softcap, where the masked probabilities are zeroed after exp, as without."""
+    rng = rng_for("blockwise", "nan-key")
+    q_np, k_np, v_np = randn(rng, (1, 2, 4, 8)), randn(rng, (1, 2, 6, 8)), randn(rng, (1, 2, 6, 8))
+    k_np[..., 5, :] = np.nan
+    mask = np.ones((4, 6), dtype=bool)
+    mask[:, 5] = False
+    q, k, v = (backend.asarray(x, "float64") for x in (q_np, k_np, v_np))
+    kw = {"softcap": softcap, "chunk_size": 4, "return_lse": True}
+    out, lse = attend(q, k, v, mask=backend.asarray(mask), **kw)
+    want_out, want_lse = attend(q, k[..., :5, :], v[..., :5, :], **kw)
+    np.testing.assert_allclose(backend.to_numpy(out), backend.to_numpy(want_out), rtol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(lse), backend.to_numpy(want_lse), rtol=1e-12)
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_torch_func_transforms_of_attend_backward(softcap: float | None) -> None:
+    """torch.func's vmap and jvp pass through attend_backward (its blocks then take the
+    functional steps: their rules do not cover the in-place steps' `out=` buffers)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 7, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    douts = torch.randn(3, 1, 2, 7, 3, generator=gen, dtype=torch.float64)
+    kw: dict[str, Any] = {"causal": True, "chunk_size": 3, "softcap": softcap}
+    out, lse = attend(q, k, v, return_lse=True, **kw)
+
+    def dk_of(dout: Any, q: Any = q) -> Any:
+        return attend_backward(dout, q, k, v, out, lse, **kw).dk
+
+    batched = torch.func.vmap(dk_of)(douts)
+    torch.testing.assert_close(batched, torch.stack([dk_of(d) for d in douts]))
+    tangent = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    _, jvp = torch.func.jvp(lambda x: dk_of(douts[0], x), (q,), (tangent,))
+    eps = 1e-6
+    fd = (dk_of(douts[0], q + eps * tangent) - dk_of(douts[0], q - eps * tangent)) / (2 * eps)
+    torch.testing.assert_close(jvp, fd, rtol=1e-6, atol=1e-7)
+
+
 def test_attend_backward_takes_out_and_lse_from_elsewhere(backend: Backend) -> None:
     """out and lse from the dense path (or from another shard's computation) serve as
     well as the blockwise path's; and the gradients of two K/V shards, each given the

@@ -704,9 +704,10 @@ def test_torch_non_contiguous_views(path: str) -> None:
         ((2, 4, 3, 8), (2, 2, 0, 8), 3),
         ((0, 4, 3, 8), (0, 2, 5, 8), 3),
         ((2, 4, 3, 8), (2, 2, 5, 8), 0),
+        ((2, 2, 3, 8), (2, 2, 5, 8), 0),
         ((0, 8), (0, 8), 3),
     ],
-    ids=["lq_0", "lk_0", "batch_0", "dv_0", "2d_lq_lk_0"],
+    ids=["lq_0", "lk_0", "batch_0", "dv_0", "dv_0_same_heads", "2d_lq_lk_0"],
 )
 def test_zero_length_axes(
     backend: Backend, path: str, q_shape: tuple, k_shape: tuple, dv: int

@@ -7,6 +7,7 @@ probabilities)."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -150,7 +151,9 @@ class InPlaceMath(BlockMath):
     def zeroed(self, p: Any, allow: Any) -> Any:
         if not _fits(p, allow):
             return super().zeroed(p, allow)
-        return p.mul_(allow)  # p is finite (bounded scores): 4x masked_fill_'s speed
+        # Not p.mul_(allow), 4x as fast: a NaN where a key is masked (a cache's unwritten
+        # slots) must give 0 there, as -inf before exp does, not NaN across its row.
+        return p.masked_fill_(allow.logical_not(), 0.0)
 
     def add(self, acc: Any, x: Any) -> Any:
         return acc.add_(x) if _fits(acc, x) else acc + x
@@ -160,9 +163,12 @@ class InPlaceMath(BlockMath):
             return torch.matmul(a, b)
         if not (acc.shape[:-2] == a.shape[:-2] == b.shape[:-2] and acc.is_contiguous()):
             return acc.add_(torch.matmul(a, b))
-        # One batched multiply-add (baddbmm) instead of a product and a pass to add it.
-        batch = (-1, *acc.shape[-2:])
-        acc.view(batch).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+        # One batched multiply-add (baddbmm) instead of a product and a pass to add it
+        # (the batch counted, not -1: a dimension of 0 leaves -1 ambiguous).
+        n = math.prod(acc.shape[:-2])
+        acc.view(n, *acc.shape[-2:]).baddbmm_(
+            a.reshape(n, *a.shape[-2:]), b.reshape(n, *b.shape[-2:])
+        )
         return acc
 
     def mul(self, a: Any, b: Any) -> Any:
@@ -170,6 +176,15 @@ class InPlaceMath(BlockMath):
 
     def softcap_grad(self, ds: Any, t: Any) -> Any:
         return ds.addcmul_(ds, t.square_(), value=-1.0)  # ds - ds * t**2
+
+
+def _transformed(x: Any) -> bool:
+    """Whether a torch.func transform wraps ``x`` or ``x`` carries a forward-mode
+    tangent (where torch cannot tell, yes: the functional steps are always right)."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    if wrapped is None or wrapped(x):
+        return True
+    return torch.autograd.forward_ad.unpack_dual(x).tangent is not None
 
 
 def _fits(block: Any, x: Any) -> bool:
@@ -551,11 +566,14 @@ class TorchAdapter(Adapter):
 
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
         # In place unless autograd records the steps (grad mode on and an input that
-        # requires grad: attend_backward differentiated again).
-        recorded = torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in arrays
-        )
-        return BlockMath(xp) if recorded else InPlaceMath(xp)
+        # requires grad: attend_backward differentiated again) or a transform sees them
+        # (torch.func's vmap/jvp, forward-mode AD): their rules do not cover `out=`.
+        tensors = [x for x in arrays if x is not None]
+        if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+            return BlockMath(xp)
+        if any(_transformed(x) for x in tensors):
+            return BlockMath(xp)
+        return InPlaceMath(xp)
 
     def concrete(self, x: Any) -> bool | None:
         return _concrete(x)
