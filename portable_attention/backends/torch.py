@@ -103,8 +103,9 @@ def _options(call: _spec.Call, keep: SeededKeep | None) -> _Options:
 class InPlaceMath(BlockMath):
     """The blockwise path's steps with torch's in-place operations, for where autograd
     records nothing (the custom operators, ``autograd.Function.forward``, a backward
-    without ``create_graph``). A step whose operand would broadcast the block to a larger
-    shape takes the functional form."""
+    without ``create_graph``, ``attend_backward`` as :meth:`TorchAdapter.block_math`
+    decides). A step whose operand would broadcast the block to a larger shape takes the
+    functional form."""
 
     def __init__(self, xp: Any) -> None:
         super().__init__(xp)
