@@ -157,7 +157,12 @@ def _check_axes_used(
     h = xp.reshape(xp.arange(heads or 2, dtype=i32, device=dev), (heads or 2, 1, 1))
     q_idx = xp.reshape(xp.arange(rows, dtype=i32, device=dev), (rows, 1))
     got = mask_mod(b, h, q_idx, kv_idx)
-    shape = tuple(getattr(got, "shape", ()))
+    check_mod_axes(tuple(getattr(got, "shape", ())), heads=heads, batch=batch)
+
+
+def check_mod_axes(shape: tuple[int, ...], *, heads: int | None, batch: int | None) -> None:
+    """A mask_mod result of ``shape`` has a head (batch) axis while the plan was built
+    without ``heads=`` (``batch=``): refused, at the plan's build and at each block."""
     for name, axis, given in (("heads", -3, heads), ("batch", -4, batch)):
         if given is None and len(shape) >= -axis and shape[axis] > 1:
             what = "head" if name == "heads" else "batch row"

@@ -25,6 +25,7 @@ from typing import Any
 
 import array_api_compat
 
+from portable_attention._block_plan import check_mod_axes
 from portable_attention._checks import broadcasts, is_kind, shape_of, type_name
 from portable_attention._spec import Call
 
@@ -271,7 +272,8 @@ def block_mask(
         got = mods.mask_mod(*indices(call, rows, cols))
         check_mask_mod_result(xp, got, shape)
         if call.block_plan is not None:
-            check_plan_axes(call.block_plan, got)
+            plan = call.block_plan
+            check_mod_axes(shape_of(got), heads=plan.heads, batch=plan.batch)
         if got.ndim > 2 and tuple(layout) != shape:  # per head: split like the scores' heads
             got = xp.reshape(xp.broadcast_to(got, shape), layout)
         keep = got if keep is None else keep & got
@@ -281,21 +283,6 @@ def block_mask(
 def _cut(x: Any, span: tuple[Any, int]) -> Any:
     start, n = span
     return x[..., start : start + n]
-
-
-def check_plan_axes(plan: Any, got: Any) -> None:
-    """A block plan built without ``heads=`` (``batch=``) was evaluated at head (batch)
-    0 only: a mask_mod whose result varies along that axis would have had blocks
-    skipped that other heads need."""
-    for name, axis, built in (("heads", -3, plan.heads), ("batch", -4, plan.batch)):
-        if built is None and got.ndim >= -axis and got.shape[axis] > 1:
-            msg = (
-                f"`mask_mod` is a block plan built without `{name}=`, but the mask_mod returns "
-                f"a mask per {'head' if name == 'heads' else 'batch row'} (shape "
-                f"{shape_of(got)}): the plan saw only index 0 and may skip blocks others "
-                f"need; build it with `masks.block_plan(..., {name}=...)`."
-            )
-            raise ValueError(msg)
 
 
 def check_score_mod_result(got: Any, shape: tuple[int, ...], dtype: Any) -> None:
