@@ -285,6 +285,27 @@ def test_torch_func_transforms_of_attend_backward(softcap: float | None) -> None
     torch.testing.assert_close(jvp, fd, rtol=1e-6, atol=1e-7)
 
 
+@requires_backend("torch")
+@pytest.mark.compile
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_torch_compile_of_attend_backward(softcap: float | None) -> None:
+    """attend_backward compiles with ``fullgraph=True`` and gives the eager gradients."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 9, 3, generator=gen) for _ in range(2))
+    v, dout = (torch.randn(1, 2, 9, 2, generator=gen) for _ in range(2))
+    kw: dict[str, Any] = {"causal": True, "chunk_size": 4, "softcap": softcap}
+    out, lse = attend(q, k, v, return_lse=True, **kw)
+
+    def grads(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Any:
+        return attend_backward(dout, q, k, v, out, lse, **kw)[:3]
+
+    compiled = torch.compile(grads, fullgraph=True)(q, k, v, out, lse, dout)
+    for got, want in zip(compiled, grads(q, k, v, out, lse, dout), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_attend_backward_takes_out_and_lse_from_elsewhere(backend: Backend) -> None:
     """out and lse from the dense path (or from another shard's computation) serve as
     well as the blockwise path's; and the gradients of two K/V shards, each given the

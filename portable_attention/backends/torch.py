@@ -118,9 +118,7 @@ class InPlaceMath(BlockMath):
         return s.mul_(factor)
 
     def product(self, a: Any, b: Any, *, slot: str | None = None) -> Any:
-        if slot is None:
-            return torch.matmul(a, b)
-        if a.shape[:-2] != b.shape[:-2]:
+        if slot is None or a.shape[:-2] != b.shape[:-2]:
             return torch.matmul(a, b)
         return torch.matmul(a, b, out=self._buffer(slot, (*a.shape[:-1], b.shape[-1]), a))
 
@@ -395,7 +393,8 @@ class BlockwiseFunction(torch.autograd.Function):
             want_dbias=want_dbias,
             mods=mods,
             concrete=_concrete,
-            # In place unless autograd records the backward (create_graph=True).
+            # In place unless autograd records the backward (create_graph=True). Not the
+            # adapter's rule: dynamo cannot trace its functorch query.
             math=BlockMath(call.xp) if torch.is_grad_enabled() else InPlaceMath(call.xp),
         )
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, None
@@ -569,6 +568,10 @@ class TorchAdapter(Adapter):
         # In place unless autograd records the steps (grad mode on and an input that
         # requires grad: attend_backward differentiated again) or a transform sees them
         # (torch.func's vmap/jvp, forward-mode AD): their rules do not cover `out=`.
+        # Under torch.compile the functional steps (dynamo cannot trace the functorch
+        # query, and the compiler makes its own buffers).
+        if torch.compiler.is_compiling():
+            return BlockMath(xp)
         tensors = [x for x in arrays if x is not None]
         if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
             return BlockMath(xp)
