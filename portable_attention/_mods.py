@@ -19,6 +19,7 @@ that causal/window take within segments, the mods) next to the static
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,19 +82,17 @@ def aligned_positions(xp: Any, ids: Any, align: str) -> Any:
     shape = tuple(ids.shape)
     length = shape[-1]
     dev = _device(ids)
-    size = 1
-    for n in shape:
-        size *= n
+    size = math.prod(shape)
     # int32 where the flat indices fit (JAX without x64 has no int64), else int64.
     it = xp.int32 if size + length < 2**31 else xp.int64
     if size == 0:
         return xp.zeros(shape, dtype=it, device=dev)
     flat = xp.reshape(ids, (size,))
     index = xp.arange(size, dtype=it, device=dev)
+    row = index // length
     by_id = xp.argsort(flat, stable=True)
-    row_of = xp.take(index // length, by_id)
-    order = xp.take(by_id, xp.argsort(row_of, stable=True))  # by row, then id, then position
-    sorted_ids, sorted_rows = xp.take(flat, order), xp.take(index // length, order)
+    order = xp.take(by_id, xp.argsort(xp.take(row, by_id), stable=True))  # row, id, position
+    sorted_ids, sorted_rows = xp.take(flat, order), xp.take(row, order)
     new_group = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_rows[1:] != sorted_rows[:-1])
     first = xp.zeros((1,), dtype=it, device=dev)
     group = xp.cumulative_sum(xp.concat([first, xp.astype(new_group, it)]))
