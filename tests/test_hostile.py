@@ -8,7 +8,7 @@ in backticks and contains the case's hints (what to do, the shapes or dtypes). E
 runs on every selected backend it applies to.
 
 Cases that tests/test_errors.py already holds are not repeated here; they are listed in
-:data:`IN_TEST_ERRORS` and count towards the catalogue (``test_catalogue_size``).
+:data:`IN_TEST_ERRORS` and count towards the catalogue (``test_catalogue_ids_are_unique_and_every_option_has_a_case``).
 
 Part 2: inputs that look hostile but must work and match the float64 oracle:
 non-contiguous and negatively strided views, zero-stride (broadcast) views,
@@ -17,6 +17,7 @@ non-contiguous and negatively strided views, zero-stride (broadcast) views,
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -143,7 +144,7 @@ def _on_other_device(which: str) -> Callable[[Backend], dict[str, Any]]:
     return build
 
 
-_TWO_DEVICES = _is("torch", "array_api_strict", "array_api_strict_jit")
+_TWO_DEVICES = _is("torch", "array_api_strict")
 _MASK_HINTS = ("bias=", "m != 0", "m == 0", "True = may attend")
 
 CATALOGUE: list[Bad] = [
@@ -534,12 +535,25 @@ def test_catalogue(bk: Backend, case: Bad, entry: str) -> None:
         assert hint in msg, f"{hint!r} not in: {msg}"
 
 
-def test_catalogue_size() -> None:
-    """The catalogue: its cases here plus those of tests/test_errors.py, no id twice."""
+#: Options whose wrong values are tested beside their subject, in tests/test_modern.py
+#: (``test_errors_for_*``): the ones with a signature of their own (the mods) or shapes
+#: tied to the heads and segments.
+ELSEWHERE = frozenset({"sinks", "segment_ids", "score_mod", "mask_mod"})
+
+
+def test_catalogue_ids_are_unique_and_every_option_has_a_case() -> None:
+    """No id twice (here and in tests/test_errors.py), and every argument of ``attend`` has
+    a wrong-value case: in this catalogue (the names its messages must carry), in
+    tests/test_errors.py (by the ids listed, which start with the argument's name) or in
+    :data:`ELSEWHERE`. A new option without an error case fails here."""
     ids = [c.id for c in CATALOGUE]
     assert len(ids) == len(set(ids))
+    assert len(IN_TEST_ERRORS) == len(set(IN_TEST_ERRORS))
     assert not set(ids) & set(IN_TEST_ERRORS)
-    assert (len(ids), len(IN_TEST_ERRORS)) == (67, 90)  # 157 cases in all
+    named = {n for case in CATALOGUE for n in case.names}
+    listed = {i.split("_")[0] for i in IN_TEST_ERRORS}
+    options = set(inspect.signature(attend).parameters)
+    assert options - named - listed - ELSEWHERE == set()
 
 
 @requires_backend("jax")

@@ -4,6 +4,7 @@ agrees with the portable path and the oracle, and that decisions never depend on
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import warnings
 from typing import Any
@@ -93,12 +94,12 @@ def test_large_dense_scores_take_the_chunked_path(backend: Backend) -> None:
     assert plan(q, k, v, implementation="portable", return_weights=True).path == "portable"
 
 
-def test_plan_is_cached_per_options_not_data(backend: Backend) -> None:
+def test_plan_depends_on_options_not_data(backend: Backend) -> None:
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
     q2 = backend.asarray(-backend.to_numpy(q), "float32")
     first = plan(q, k, v, causal=True)
-    assert plan(q2, k, v, causal=True) is first
-    assert plan(q, k, v, causal=True, return_weights=True) is not first
+    assert plan(q2, k, v, causal=True) == first
+    assert plan(q, k, v, causal=True, chunk_size=2) != first
 
 
 def test_plan_cache_is_thread_safe(backend: Backend) -> None:
@@ -419,8 +420,11 @@ def test_jax_fused_window(
     assert_close(backend.to_numpy(out), ref, "float32")
     assert seen and seen[-1]["local_window_size"] == native
     assert (seen[-1]["mask"] is None) == (native is not None)
-    grad = jax.grad(lambda a: jnp.sum(attend(a, k, v, **options) ** 2))(q)
-    want = jax.grad(lambda a: jnp.sum(attend(a, k, v, causal=causal, window=window) ** 2))(q)
+    # under jit: one compilation each, where eager grad compiles every operation (3x slower)
+    grad = jax.jit(jax.grad(lambda a: jnp.sum(attend(a, k, v, **options) ** 2)))(q)
+    want = jax.jit(jax.grad(lambda a: jnp.sum(attend(a, k, v, causal=causal, window=window) ** 2)))(
+        q
+    )
     assert_close(backend.to_numpy(grad), backend.to_numpy(want), "float32")
 
 
@@ -692,31 +696,26 @@ def test_torch_decode_step_with_causal_runs_sdpa_without_a_mask() -> None:
 
 
 @requires_backend("jax")
-def test_jax_native_compiles_once_when_eager() -> None:
+def test_jax_native_compiles_once_when_eager(caplog: pytest.LogCaptureFixture) -> None:
     """Eager calls on ``native:jax`` (CPU, >= 512 queries) reuse one compiled program:
-    the ``lax.map`` over a new closure compiled again on every call (540 ms against 7)."""
+    the ``lax.map`` over a new closure compiled again on every call (540 ms against 7).
+    Seen through ``jax.log_compiles()``, JAX's public switch that logs every trace and
+    compilation: the repeated calls log none."""
     import jax
-    from jax import monitoring
 
     backend = BY_NAME["jax"]
     q, k, v = _qkv(backend, (1, 2, 512, 16), (1, 2, 512, 16))
     assert plan(q, k, v).path == "native:jax"
-    compiles: list[str] = []
-    counting = [False]
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if counting[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        first = attend(q, k, v, causal=True)
-        counting[0] = True
+    first = attend(q, k, v, causal=True)
+    with caplog.at_level(logging.DEBUG, logger="jax"), jax.log_compiles():
         for _ in range(3):
             again = jax.block_until_ready(attend(q, k, v, causal=True))
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
-    assert compiles == []
+        logged = [r.getMessage() for r in caplog.records if r.name.startswith("jax")]
+        # the switch works: a new shape logs its compilation
+        attend(q[..., :256, :], k, v, causal=True)
+        fresh = [r for r in caplog.records if r.name.startswith("jax")]
+    assert logged == []
+    assert fresh
     assert_same(again, first)
 
 

@@ -5,8 +5,8 @@ heads, ``Lq``/``Lk`` 0-300, ``Dk != Dv``, every dtype the backend has, masks fro
 builders and raw, fully masked rows and batches, biases with ``-inf``, causal, window,
 scale, softcap, chunk sizes) and a path (``auto`` -- NumPy's native kernel on NumPy --,
 ``portable``, ``fused`` where :func:`plan` allows it, ``chunked`` through ``chunk_size``);
-the backend is a pytest parameter (every selected backend, ``array_api_strict_jit``
-included), never drawn.
+the backend is a pytest parameter (every selected backend, array_api_strict under its jit
+flags), never drawn.
 
 Properties: the float64 oracle agrees within the dtype's tolerance; fused == portable ==
 chunked (== native); rows with no key give exactly 0 / 0 / -inf and finite zero gradients
@@ -17,8 +17,7 @@ different one.
 
 Examples per test and backend: the "ci" profile (the default; derandomized, so every run
 draws the same examples) runs ``max_examples=30`` for each of the 7 property tests on each
-selected backend: 210 examples per backend, 1050 with all four (``array_api_strict`` counts
-twice: plain and ``array_api_strict_jit``). ``HYPOTHESIS_PROFILE=thorough`` (``nox -s
+selected backend: 210 examples per backend, 840 with all four. ``HYPOTHESIS_PROFILE=thorough`` (``nox -s
 properties``) runs 240 per test and backend, with fresh random seeds each run. Gradients are
 checked on torch (every example of ``test_rows_without_keys``) and JAX (its float32 examples,
 under ``jax.jit``). On JAX the dims come from a fixed menu (``strategies.JAX_DIMS``): eager
@@ -92,6 +91,16 @@ def _resolve(case: Case, arrays: tuple[Any, ...], path: str, **kwargs: Any) -> s
     with pytest.raises(ValueError, match="fused"):
         _call(case, arrays, "fused", **kwargs)
     return "portable"
+
+
+def _float64(backend: Backend, arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``(q, k, v, mask, bias)`` with the floating arrays widened to float64 (exactly)."""
+    q, k, v, mask, bias = arrays
+    wide = [
+        None if x is None else backend.asarray(backend.to_numpy(x), "float64")
+        for x in (q, k, v, bias)
+    ]
+    return (*wide[:3], mask, wide[3])
 
 
 def _np(backend: Backend, x: Any) -> np.ndarray | None:
@@ -184,13 +193,21 @@ def test_rows_without_keys(backend: Backend, data: st.DataObject) -> None:
         assert np.all(np.isfinite(g)), f"d{name} is not finite"
     assert np.all(grads[0][empty] == 0), "dq is not 0 on rows with no key"
     if path == "fused" or (path != "portable" and backend.name == "torch"):  # JAX: compiles
-        want = _grads(backend, case, arrays, "portable", w_out, w_lse if want_lse else None)
-        rtol, atol = TOLERANCES[case.dtype]
-        for name, g, r in zip("qkv", grads, want, strict=True):
+        # The gradients are a composed computation (three products and the softmax's
+        # backward), so the one-operation table does not bound them, and their rounding
+        # differs between CPUs. Both paths are held to the float64 gradients instead: this
+        # path may be at most 4x as far from them as the portable path in the same dtype
+        # (both round the same products, so their distances scale together with the
+        # machine's rounding), plus the table's atol per unit of gradient.
+        lse_w = w_lse if want_lse else None
+        portable = _grads(backend, case, arrays, "portable", w_out, lse_w)
+        exact = _grads(backend, case, _float64(backend, arrays), "portable", w_out, lse_w)
+        atol = TOLERANCES[case.dtype][1]
+        for name, g, p, r in zip("qkv", grads, portable, exact, strict=True):
             scale = 1.0 + float(np.max(np.abs(r), initial=0.0))
-            np.testing.assert_allclose(
-                g, r, rtol=rtol, atol=atol * scale * 10, err_msg=f"d{name} ({path})"
-            )
+            bound = 4 * float(np.max(np.abs(p - r), initial=0.0)) + atol * scale
+            err = float(np.max(np.abs(g - r), initial=0.0))
+            assert err <= bound, f"d{name} ({path}): {err:.3g} from float64, bound {bound:.3g}"
 
 
 def _grads(

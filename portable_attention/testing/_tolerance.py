@@ -66,6 +66,11 @@ on NumPy, PyTorch and JAX, every path, L up to 2048, D up to 128):
 
 These are the values the test suite and the consistency report used before the table was
 one; ``assert_backends_agree``'s own, tighter float32 and looser float16 values went.
+
+The table is for *one* attention call. It does not bound a computation composed of many
+operations (a model's logits, a multi-head module, gradients of a loss through several
+layers): their float32 rounding grows with depth and differs between machines. Compare
+those in float64, or derive their bound from the computation (docs/testing.md).
 """
 
 # Not attention's dtypes, but assert_backends_agree compares whatever a function returns.
@@ -89,7 +94,12 @@ def tolerance(dtype: Any, what: str = "out") -> Tolerance:
     A value ``x`` agrees with the reference ``ref`` when
     ``|x - ref| <= atol + rtol * |ref|``, as in :func:`numpy.testing.assert_allclose`.
     The bound holds both against the float64 reference and between two correct
-    implementations given the same inputs.
+    implementations given the same inputs, on any machine.
+
+    It bounds one attention call (or one operation of its kind). A computation composed of
+    many (a model's logits, gradients of a loss through several layers) rounds more, and
+    differently on each CPU: compare those in float64, where the float64 row holds for
+    them too, or with a bound derived from the computation.
 
     Parameters
     ----------
