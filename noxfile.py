@@ -1,7 +1,8 @@
 """nox sessions for portable_attention.
 
 Plain ``nox`` runs ``tests-all`` (every CPU backend in one environment, the whole
-suite), ``lint`` and ``docs``; each framework is installed once. ``nox -l`` lists all sessions;
+suite), ``rounding`` (the tests of composed computations again, with torch rounding float32
+another way), ``compile``, ``lint`` and ``docs``; each framework is installed once. ``nox -l`` lists all sessions;
 ``nox -s torch`` runs one backend alone. Environments are reused between runs.
 
 Every test session sets ``PORTABLE_ATTENTION_BACKENDS`` to exactly the backends it
@@ -28,7 +29,7 @@ JAX_SPEC = os.environ.get("JAX_SPEC", "jax")  # the PyPI `jax` wheel runs on the
 
 SOURCES = ("portable_attention", "tests", "benchmarks", "examples", "noxfile.py")
 
-nox.options.sessions = ["tests-all", "compile", "lint", "docs"]
+nox.options.sessions = ["tests-all", "rounding", "compile", "lint", "docs"]
 # Reuse environments between local runs (`nox -N` or `--reuse-venv=no` to rebuild).
 # Every session still runs its pip install, so a reused environment stays current.
 nox.options.reuse_venv = "yes"
@@ -102,6 +103,31 @@ def tests_all(session: nox.Session) -> None:
     _run_tests(session, ("numpy", "array_api_strict", "torch", "jax"), "-m", "not compile")
     # The README's first command: the consistency report exits 1 on a disagreement.
     session.run("python", "-m", "portable_attention", "--quiet")
+
+
+#: The tests that compare a computation composed of many operations (models, multi-head
+#: modules, gradients through layers) between implementations, in float32 or a half dtype
+#: with a bound argued from the computation, or in float64.
+ROUNDING_TESTS = (
+    "tests/test_transformers.py",
+    "tests/test_mha.py",
+    "tests/test_grad.py",
+    "tests/test_blockwise.py",
+    "tests/test_properties.py",
+)
+
+
+@nox.session
+def rounding(session: nox.Session) -> None:
+    """The tests of composed computations again, with torch's CPU kernels rounding float32
+    another way: ``ATEN_CPU_CAPABILITY=default`` (no AVX2/AVX-512 code) changes which bits
+    round which way on this very machine, as another CPU would. A tolerance that merely
+    passed here fails under it (measured: a float32 gpt-oss gradient moved from 2.7e-5 to
+    1.7e-4 from float64), before it fails on a user's machine. Thread counts and JAX's
+    ``--xla_cpu_max_isa`` changed no float32 result measured, so torch's switch is the one.
+    """
+    session.env["ATEN_CPU_CAPABILITY"] = "default"
+    _run_tests(session, ("numpy", "torch"), *ROUNDING_TESTS)
 
 
 @nox.session(name="compile")

