@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 from portable_attention import mha
 
+from test_mha import GRAD64, MHA_TOL  # the bounds derived there (same sizes and data)
+
 import oracle
 from conftest import requires_backend
+
+# Compositions compared within one dtype (jit against eager, a vmap against single calls,
+# nnx.grad against jax.grad, a state moved from torch) run in float64, where two orders of
+# one computation agree to float64 rounding; in float32 that rounding differs by CPU.
+F64 = MHA_TOL["float64"]
 
 pytestmark = requires_backend("jax")
 
@@ -21,10 +28,10 @@ def _module(**kwargs: Any) -> Any:
     return MultiHeadAttention(16, 4, num_kv_heads=2, **kwargs)
 
 
-def _x(shape: tuple[int, ...] = (2, 5, 16)) -> Any:
+def _x(shape: tuple[int, ...] = (2, 5, 16), dtype: Any = None) -> Any:
     import jax.numpy as jnp
 
-    return jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
+    return jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype or jnp.float32)
 
 
 def test_forward_matches_functional_core_and_oracle() -> None:
@@ -40,14 +47,15 @@ def test_forward_matches_functional_core_and_oracle() -> None:
     ref = mha.multi_head_attention(
         params, x64, num_heads=4, num_kv_heads=2, key_padding_mask=kpm, causal=True
     )
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
+    rtol, atol = MHA_TOL["float32"]
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=rtol, atol=atol)
     # and the attention inside against the independent oracle
     q = (x64 @ params["w_q"]).reshape(2, 5, 4, 4).transpose(0, 2, 1, 3)
     k = (x64 @ params["w_k"]).reshape(2, 5, 2, 4).transpose(0, 2, 1, 3)
     v = (x64 @ params["w_v"]).reshape(2, 5, 2, 4).transpose(0, 2, 1, 3)
     att = oracle.attention(q, k, v, mask=kpm[:, None, None, :], causal=True)[0]
     expected = att.transpose(0, 2, 1, 3).reshape(2, 5, 16) @ params["w_o"]
-    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=rtol, atol=atol)
 
 
 def test_jit_vmap_grad_through_the_module() -> None:
@@ -55,13 +63,13 @@ def test_jit_vmap_grad_through_the_module() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    m = _module()
-    x = _x()
+    m = _module(dtype=jnp.float64)
+    x = _x(dtype=jnp.float64)
     eager = m(x, causal=True)
     jitted = nnx.jit(lambda mod, a: mod(a, causal=True))(m, x)
-    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), *F64)
     batched = nnx.vmap(lambda mod, a: mod(a), in_axes=(None, 0))(m, jnp.stack([x, 2 * x]))
-    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(m(2 * x)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(m(2 * x)), *F64)
     grads = nnx.grad(lambda mod, a: (mod(a) ** 2).sum())(m, x)
     params = m.params()
     want = jax.grad(
@@ -70,7 +78,7 @@ def test_jit_vmap_grad_through_the_module() -> None:
     for name in params:
         got = np.asarray(grads[name][...])
         assert np.all(np.isfinite(got))
-        np.testing.assert_allclose(got, np.asarray(want[name]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, np.asarray(want[name]), *GRAD64)
 
 
 def test_train_eval_switch_dropout() -> None:
@@ -87,16 +95,25 @@ def test_train_eval_switch_dropout() -> None:
 
 def test_state_moves_between_torch_and_flax() -> None:
     torch = pytest.importorskip("torch")
+    import jax.numpy as jnp
     from portable_attention.nn.torch import MultiHeadAttention as TorchMHA
 
-    t = TorchMHA(16, 4, num_kv_heads=2, seed=9)
-    f = _module(seed=1)
+    # float32 state keeps float32 both ways; the outputs are compared in float64 (F64)
+    f32 = _module(seed=1)
+    f32.load_state_dict(TorchMHA(16, 4, num_kv_heads=2, seed=9).state_dict_portable())
+    assert all(a.dtype == jnp.float32 for a in f32.params().values())
+    back32 = TorchMHA(16, 4, num_kv_heads=2, seed=2)
+    back32.load_portable(f32.state_dict())
+    assert all(p.dtype == torch.float32 for p in back32.params().values())
+
+    t = TorchMHA(16, 4, num_kv_heads=2, seed=9, dtype=torch.float64)
+    f = _module(seed=1, dtype=jnp.float64)
     f.load_state_dict(t.state_dict_portable())
-    x = _x()
+    x = _x(dtype=jnp.float64)
     with torch.no_grad():
         ref = t(torch.from_numpy(np.asarray(x))).numpy()
-    np.testing.assert_allclose(np.asarray(f(x)), ref, rtol=1e-5, atol=1e-6)
-    back = TorchMHA(16, 4, num_kv_heads=2, seed=2)
+    np.testing.assert_allclose(np.asarray(f(x)), ref, *F64)
+    back = TorchMHA(16, 4, num_kv_heads=2, seed=2, dtype=torch.float64)
     back.load_portable(f.state_dict())
     with torch.no_grad():
         np.testing.assert_array_equal(back(torch.from_numpy(np.asarray(x))).numpy(), ref)

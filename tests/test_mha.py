@@ -14,13 +14,35 @@ import numpy as np
 import pytest
 from portable_attention import mha
 from portable_attention.masks import block_plan
+from portable_attention.testing import tolerance
 
 import oracle
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
 from helpers import assert_like, rng_for, run_python
 
-# Values go through two projections around attention: a little looser than attend's.
-MHA_TOL = {"float64": (1e-10, 1e-12), "float32": (2e-4, 2e-5)}
+# How far a multi-head result in `dtype` may be from the float64 oracle (tests/test_flax_mha.py
+# uses it too): a first-order bound from the computation, not what passed on one CPU. The
+# tolerance table covers attend's own arithmetic on the projected q, k, v. The products
+# around it have length n <= E = 16 (kdim, vdim <= 16), and whatever the summation order,
+# vector width or FMA use, a dot product errs by at most n * u * sum_i |x_i w_i| (u = 2**-24
+# in float32, 2**-53 in float64; Higham, Accuracy and Stability of Numerical Algorithms,
+# sec. 3.1). With the rounding of the inputs and the bias: (n + 3) * u * M, where
+# M = max(sum_i |x_i w_i| + |b|) = 7.0 at most for these tests' seeded inputs (x ~ N(0, 1),
+# Xavier weights, |b| <= 0.3). A score q.k / sqrt(D) then moves by at most S = 8.5 times that
+# (S = max(|q|_1 + |k|_1) / sqrt(D) here), a softmax weight by twice that, relatively:
+# rho = 2 * S * (n + 3) * M * u (1.35e-4 in float32), added to the table's rtol and, per unit
+# of output (|out| < 2.3 here), to its atol.
+_MHA_STEPS = 2 * 8.5 * (16 + 3) * 7.0  # rho / u
+MHA_TOL = {
+    dt: (tolerance(dt).rtol + _MHA_STEPS * u, tolerance(dt).atol + _MHA_STEPS * u)
+    for dt, u in (("float64", 2.0**-53), ("float32", 2.0**-24))
+}
+# Composed computations compared with each other (a module against torch's, one framework
+# against another, compiled against eager, packed against alone) run in float64, where the
+# same chain bounds both sides' rounding by MHA_TOL["float64"]; in float32 that rounding
+# differs between CPUs. Gradients go back through the same products (twice the steps) and
+# sum over batch and positions (values up to 30x the outputs): 10x that, GRAD64.
+GRAD64 = (10 * MHA_TOL["float64"][0], 10 * MHA_TOL["float64"][1])
 
 
 def oracle_mha(
@@ -251,8 +273,10 @@ def test_numpy_class() -> None:
 
 
 def _torch_inputs(
-    batch_first: bool, kdim: int | None, seed: int
+    batch_first: bool, kdim: int | None, seed: int, dtype: Any = None
 ) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Inputs and masks in torch's conventions; the floating ones in ``dtype`` (float32 by
+    default; the same values, drawn in float32, in any other)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -265,6 +289,8 @@ def _torch_inputs(
         v = torch.randn(b, lk, kdim, generator=g)
     if not batch_first:
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    if dtype is not None:
+        q, k, v = (x.to(dtype) for x in (q, k, v))
     kpm = torch.zeros(b, lk, dtype=torch.bool)
     kpm[0, -2:] = True  # torch polarity: True = padding
     kpm[2, -1] = True
@@ -277,8 +303,11 @@ def _torch_inputs(
         "kpm": {"key_padding_mask": kpm},
         "bool2d": {"attn_mask": bool_2d},
         "bool3d+kpm": {"attn_mask": bool_3d, "key_padding_mask": kpm},
-        "float3d": {"attn_mask": torch.randn(b * h, lq, lk, generator=g)},
-        "float2d+kpm": {"attn_mask": torch.randn(lq, lk, generator=g), "key_padding_mask": kpm},
+        "float3d": {"attn_mask": torch.randn(b * h, lq, lk, generator=g).to(q.dtype)},
+        "float2d+kpm": {
+            "attn_mask": torch.randn(lq, lk, generator=g).to(q.dtype),
+            "key_padding_mask": kpm,
+        },
     }
     return q, k, v, masks
 
@@ -294,25 +323,30 @@ def test_swap_matches_torch(batch_first: bool, kdim: int | None) -> None:
         TorchCompatMultiHeadAttention,
     )
 
+    # float64 on both sides: two orders of one composed computation agree to float64
+    # rounding (MHA_TOL), where float32's rounding would differ between CPUs.
     torch.manual_seed(0)
     ref = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim)
+    ref = ref.double()
     with torch.no_grad():  # torch initialises biases to 0: make them matter
         ref.in_proj_bias.normal_()
         ref.out_proj.bias.normal_()
     ours = MultiHeadAttention.from_torch(ref, torch_compat=True)
     assert isinstance(ours, TorchCompatMultiHeadAttention)
-    q, k, v, masks = _torch_inputs(batch_first, kdim, seed=1)
+    assert ours.params()["w_q"].dtype == torch.float64
+    q, k, v, masks = _torch_inputs(batch_first, kdim, seed=1, dtype=torch.float64)
+    rtol, atol = MHA_TOL["float64"]
     for name, kw in masks.items():
         for average in (True, False):
             o_ref, w_ref = ref(q, k, v, average_attn_weights=average, **kw)
             o, w = ours(q, k, v, average_attn_weights=average, **kw)
             assert o.shape == o_ref.shape and w is not None and w.shape == w_ref.shape
-            torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=name)
-            torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(o, o_ref, rtol=rtol, atol=atol, msg=name)
+            torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol, msg=name)
         o_ref, _ = ref(q, k, v, need_weights=False, **kw)
         o, w = ours(q, k, v, need_weights=False, **kw)
         assert w is None
-        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(o, o_ref, rtol=rtol, atol=atol, msg=name)
 
     # Gradients with respect to inputs and parameters.
     kw = masks["bool3d+kpm"]
@@ -320,23 +354,24 @@ def test_swap_matches_torch(batch_first: bool, kdim: int | None) -> None:
     qo = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
     ref(*qs, **kw)[0].square().sum().backward()
     ours(*qo, **kw)[0].square().sum().backward()
+    g_rtol, g_atol = GRAD64
     for a, b in zip(qs, qo, strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.grad, a.grad, rtol=g_rtol, atol=g_atol)
     if ref._qkv_same_embed_dim:
         gq, gk, gv = ref.in_proj_weight.grad.chunk(3)
     else:
         gq, gk, gv = ref.q_proj_weight.grad, ref.k_proj_weight.grad, ref.v_proj_weight.grad
     p = ours.params()
     for ours_p, ref_g in ((p["w_q"], gq), (p["w_k"], gk), (p["w_v"], gv)):
-        torch.testing.assert_close(ours_p.grad.T, ref_g, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(p["w_o"].grad.T, ref.out_proj.weight.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours_p.grad.T, ref_g, rtol=g_rtol, atol=g_atol)
+    torch.testing.assert_close(p["w_o"].grad.T, ref.out_proj.weight.grad, rtol=g_rtol, atol=g_atol)
     gb = torch.cat([p["b_q"].grad, p["b_k"].grad, p["b_v"].grad])
-    torch.testing.assert_close(gb, ref.in_proj_bias.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(p["b_o"].grad, ref.out_proj.bias.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gb, ref.in_proj_bias.grad, rtol=g_rtol, atol=g_atol)
+    torch.testing.assert_close(p["b_o"].grad, ref.out_proj.bias.grad, rtol=g_rtol, atol=g_atol)
 
     # Export back to torch: the same module.
     back = ours.to_torch()
-    assert back.batch_first == batch_first
+    assert back.batch_first == batch_first and back.in_proj_bias.dtype == torch.float64
     for name, kw in masks.items():
         o_back, w_back = back(q, k, v, **kw)
         o_ref, w_ref = ref(q, k, v, **kw)
@@ -390,22 +425,22 @@ def test_state_round_trip_torch_numpy_torch() -> None:
     import torch
     from portable_attention.nn.torch import MultiHeadAttention
 
-    t1 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=7)
+    # float64: NumPy against torch is one composed computation in two orders (MHA_TOL)
+    t1 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=7, dtype=torch.float64)
     with torch.no_grad():
         for p in t1.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    np_mod = mha.MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=8)
+    np_mod = mha.MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=8, dtype=np.float64)
     np_mod.load_state_dict(t1.state_dict_portable())
-    t2 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=9)
+    t2 = MultiHeadAttention(16, 4, kdim=12, vdim=10, seed=9, dtype=torch.float64)
     t2.load_portable(np_mod.state_dict())
     g = np.random.default_rng(0)
-    q, k, v = (
-        g.standard_normal(s).astype(np.float32) for s in ((2, 3, 16), (2, 5, 12), (2, 5, 10))
-    )
+    q, k, v = (g.standard_normal(s) for s in ((2, 3, 16), (2, 5, 12), (2, 5, 10)))
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    rtol, atol = MHA_TOL["float64"]
     with torch.no_grad():
         torch.testing.assert_close(t2(tq, tk, tv), t1(tq, tk, tv), rtol=0, atol=0)
-        np.testing.assert_allclose(np_mod(q, k, v), t1(tq, tk, tv).numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np_mod(q, k, v), t1(tq, tk, tv).numpy(), rtol=rtol, atol=atol)
     with pytest.raises(ValueError, match="shape"):
         t2.load_portable({**np_mod.state_dict(), "w_q": np.zeros((3, 3))})
 
@@ -465,19 +500,20 @@ def test_torch_compat_unbatched_and_is_causal(batch_first: bool) -> None:
     from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(1)
-    ref = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first).double()  # as above
     ours = MultiHeadAttention.from_torch(ref, torch_compat=True)
-    x = torch.randn(5, 8)  # unbatched [L, E]
+    rtol, atol = MHA_TOL["float64"]
+    x = torch.randn(5, 8).double()  # unbatched [L, E]
     kpm = torch.tensor([False, False, False, True, False])
     o_ref, w_ref = ref(x, x, x, key_padding_mask=kpm)
     o, w = ours(x, x, x, key_padding_mask=kpm)
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
-    xb = torch.randn(2, 5, 8) if batch_first else torch.randn(5, 2, 8)
-    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    torch.testing.assert_close(o, o_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol)
+    xb = (torch.randn(2, 5, 8) if batch_first else torch.randn(5, 2, 8)).double()
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
     o_ref, _ = ref(xb, xb, xb, attn_mask=causal, is_causal=True)
     o, _ = ours(xb, xb, xb, is_causal=True)  # no attn_mask: a causal mask is applied
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o, o_ref, rtol=rtol, atol=atol)
 
 
 def test_mixed_frameworks_name_both_types() -> None:
@@ -527,29 +563,32 @@ def test_same_loss_same_gradients_torch_and_jax() -> None:
 @requires_backend("torch", "jax")
 def test_weights_move_torch_jax_numpy_torch_by_dlpack() -> None:
     """torch module -> JAX dict -> NumPy class -> torch module, each hop through DLPack,
-    gives the same outputs (float32, identical weights, so agreement to float32 rounding)."""
+    gives the same outputs (float64, identical weights, so agreement to float64 rounding:
+    each framework computes the module in its own order)."""
     import jax.numpy as jnp
     import torch
     from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(0)
-    first = MultiHeadAttention(16, 4, num_kv_heads=2)
-    x = np.random.default_rng(1).standard_normal((2, 7, 16)).astype(np.float32)
+    first = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64)
+    x = np.random.default_rng(1).standard_normal((2, 7, 16))
     with torch.no_grad():
         ref = first(torch.from_numpy(x)).numpy()
     j_params = {n: jnp.from_dlpack(p.detach()) for n, p in first.params().items()}
+    assert all(p.dtype == jnp.float64 for p in j_params.values())
     j_out = mha.multi_head_attention(j_params, jnp.asarray(x), num_heads=4, num_kv_heads=2)
-    n_mod = mha.MultiHeadAttention(16, 4, num_kv_heads=2)
+    n_mod = mha.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=np.float64)
     n_mod.load_state_dict({n: np.from_dlpack(p) for n, p in j_params.items()})
     n_out = n_mod(x)
-    last = MultiHeadAttention(16, 4, num_kv_heads=2)
+    last = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64)
     last.load_portable({n: torch.from_dlpack(p) for n, p in n_mod.state_dict().items()})
     with torch.no_grad():
         last_out = last(torch.from_numpy(x)).numpy()
     for name, p in last.params().items():
         np.testing.assert_array_equal(p.detach().numpy(), first.params()[name].detach().numpy())
-    np.testing.assert_allclose(np.asarray(j_out), ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(n_out, ref, rtol=1e-5, atol=1e-6)
+    rtol, atol = MHA_TOL["float64"]
+    np.testing.assert_allclose(np.asarray(j_out), ref, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(n_out, ref, rtol=rtol, atol=atol)
     np.testing.assert_array_equal(last_out, ref)
 
 
@@ -559,14 +598,20 @@ def test_torch_module_under_torch_compile() -> None:
     import torch
     from portable_attention.nn.torch import MultiHeadAttention
 
+    # float64: the compiled module fuses and reorders the whole composed computation, so
+    # it agrees with eager to rounding through it (MHA_TOL), which in float32 varies by CPU.
     torch.manual_seed(0)
-    module = MultiHeadAttention(16, 4, num_kv_heads=2).eval()
-    x = torch.randn(2, 6, 16)
+    module = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64).eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
     pad = torch.ones(2, 6, dtype=torch.bool)
     pad[0, 5] = False
     compiled = torch.compile(module, fullgraph=True)
+    rtol, atol = MHA_TOL["float64"]
     torch.testing.assert_close(
-        compiled(x, key_padding_mask=pad, causal=True), module(x, key_padding_mask=pad, causal=True)
+        compiled(x, key_padding_mask=pad, causal=True),
+        module(x, key_padding_mask=pad, causal=True),
+        rtol=rtol,
+        atol=atol,
     )
 
 
@@ -602,16 +647,18 @@ def test_from_torch_drop_in_inside_transformer_layers(
     and stack, also after the stack was built: in eval mode the layer (``batch_first=True``)
     and the stack (``enable_nested_tensor``, the default, with a padding mask) read
     attributes to pick torch's fused and nested-tensor paths (AttributeError before);
-    outputs match torch's, with and without autograd recording."""
+    outputs match torch's, with and without autograd recording. In float64: torch's fused
+    and nested-tensor paths check no dtype, so they run in float64 too, and two whole
+    encoder stacks agree to float64 rounding (MHA_TOL)."""
     import torch
     from portable_attention.nn.torch import MultiHeadAttention
 
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(
-        16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first
+        16, 4, dim_feedforward=32, dropout=0.0, batch_first=batch_first, dtype=torch.float64
     )
     stack = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).train(training)
-    x = torch.randn(2, 5, 16) if batch_first else torch.randn(5, 2, 16)
+    x = (torch.randn(2, 5, 16) if batch_first else torch.randn(5, 2, 16)).double()
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1, -2:] = True  # torch polarity: True = padding
     with torch.no_grad():
@@ -622,7 +669,8 @@ def test_from_torch_drop_in_inside_transformer_layers(
         got = stack(x, src_key_padding_mask=pad)
     got_recorded = stack(x, src_key_padding_mask=pad)
     keep = ~pad if batch_first else ~pad.T  # torch's fast path zeroes padded rows' outputs
-    torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+    rtol, atol = MHA_TOL["float64"]
+    torch.testing.assert_close(got[keep], want[keep], rtol=rtol, atol=atol)
     torch.testing.assert_close(got_recorded.detach(), got)
 
 
@@ -1024,11 +1072,13 @@ def test_mask_mod_and_score_mod_equal_mask_and_bias(backend: Backend) -> None:
 def test_numpy_class_sinks_and_state() -> None:
     m = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=5)
     assert m.params["sinks"].shape == (4,) and m.params["sinks"].dtype == np.float32
+    # packed against alone: the module in float64 (each call runs the composed
+    # computation in its own shapes, so they agree to rounding: MHA_TOL)
+    m64 = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=5, dtype=np.float64)
     x, ids, runs = _packed_inputs()
-    x32 = x.astype(np.float32)
-    out = m(x32, segment_ids=ids, causal=True)
-    alone = _each_alone(lambda a: m(a, causal=True), x32, runs, lambda a: a)
-    np.testing.assert_allclose(out, alone, rtol=1e-5, atol=1e-6)
+    out = m64(x, segment_ids=ids, causal=True)
+    alone = _each_alone(lambda a: m64(a, causal=True), x, runs, lambda a: a)
+    np.testing.assert_allclose(out, alone, *MHA_TOL["float64"])
     other = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=6)
     other.load_state_dict({**m.state_dict(), "sinks": SINK_VALUES})
     np.testing.assert_array_equal(other.params["sinks"], SINK_VALUES.astype(np.float32))
@@ -1112,52 +1162,56 @@ def test_sinks_modules_agree_across_frameworks_and_states_round_trip() -> None:
     and ``init_params`` on every selected backend give the same outputs (which differ from
     those without sinks); trained (non-zero) sinks go torch -> NumPy -> Flax -> torch
     unchanged; loading into a module without sinks (or the reverse, or a wrong shape)
-    is refused by name."""
+    is refused by name. In float64: each framework computes the module in its own order,
+    so they agree to float64 rounding (MHA_TOL)."""
     import jax.numpy as jnp
     import torch
     from portable_attention.nn.flax import MultiHeadAttention as FlaxMHA
     from portable_attention.nn.torch import MultiHeadAttention as TorchMHA
 
-    x = rng_for("mha", "agree-sinks").standard_normal((2, 6, 16)).astype(np.float32)
+    x = rng_for("mha", "agree-sinks").standard_normal((2, 6, 16))
     kpm = np.ones((2, 6), dtype=bool)
     kpm[0, -2:] = False
-    t = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=11)
+    same = {"num_kv_heads": 2, "sinks": True, "seed": 11}
+    t = TorchMHA(16, 4, **same, dtype=torch.float64)
+    sinkless = TorchMHA(16, 4, num_kv_heads=2, seed=11, dtype=torch.float64)
     with torch.no_grad():
         ref = t(torch.from_numpy(x), key_padding_mask=torch.from_numpy(kpm)).numpy()
-        plain = TorchMHA(16, 4, num_kv_heads=2, seed=11)(torch.from_numpy(x)).numpy()
+        plain = sinkless(torch.from_numpy(x)).numpy()
     assert not np.allclose(ref, plain, atol=1e-3)
-    n = mha.MultiHeadAttention(16, 4, num_kv_heads=2, sinks=True, seed=11)
-    f = FlaxMHA(16, 4, num_kv_heads=2, sinks=True, seed=11)
-    np.testing.assert_allclose(n(x, key_padding_mask=kpm), ref, rtol=1e-5, atol=1e-6)
+    n = mha.MultiHeadAttention(16, 4, **same, dtype=np.float64)
+    f = FlaxMHA(16, 4, **same, dtype=jnp.float64)
+    rtol, atol = MHA_TOL["float64"]
+    np.testing.assert_allclose(n(x, key_padding_mask=kpm), ref, rtol=rtol, atol=atol)
     f_out = f(jnp.asarray(x), key_padding_mask=jnp.asarray(kpm))
-    np.testing.assert_allclose(np.asarray(f_out), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(f_out), ref, rtol=rtol, atol=atol)
     for b in BACKENDS:
         with b.flags():
-            dt = b.dtype("float32")
+            dt = b.dtype("float64")
             params = mha.init_params(16, 4, num_kv_heads=2, sinks=True, xp=b.xp, dtype=dt, seed=11)
             out = mha.multi_head_attention(
                 params,
-                b.asarray(x, "float32"),
+                b.asarray(x, "float64"),
                 num_heads=4,
                 num_kv_heads=2,
                 key_padding_mask=b.asarray(kpm),
             )
-            np.testing.assert_allclose(b.to_numpy(out), ref, rtol=1e-5, atol=1e-6, err_msg=b.name)
+            np.testing.assert_allclose(b.to_numpy(out), ref, rtol=rtol, atol=atol, err_msg=b.name)
 
     with torch.no_grad():
         t.sinks.copy_(torch.from_numpy(SINK_VALUES))
         trained = t(torch.from_numpy(x)).numpy()
     n.load_state_dict(t.state_dict_portable())
     f.load_state_dict(n.state_dict())
-    back = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=0)
+    back = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=0, dtype=torch.float64)
     back.load_portable(f.state_dict())
-    np.testing.assert_array_equal(back.sinks.detach().numpy(), SINK_VALUES.astype(np.float32))
+    np.testing.assert_array_equal(back.sinks.detach().numpy(), SINK_VALUES)
     np.testing.assert_array_equal(np.asarray(f.params()["sinks"]), back.sinks.detach().numpy())
     with torch.no_grad():
         np.testing.assert_array_equal(back(torch.from_numpy(x)).numpy(), trained)
-    np.testing.assert_allclose(np.asarray(f(jnp.asarray(x))), trained, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(f(jnp.asarray(x))), trained, rtol=rtol, atol=atol)
     torch_state = t.state_dict()  # torch's own state dict, with sinks, round-trips too
-    again = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=3)
+    again = TorchMHA(16, 4, num_kv_heads=2, sinks=True, seed=3, dtype=torch.float64)
     again.load_state_dict(torch_state)
     torch.testing.assert_close(again.sinks, t.sinks, rtol=0, atol=0)
 
