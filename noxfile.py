@@ -2,8 +2,9 @@
 
 Plain ``nox`` runs ``tests-all`` (every CPU backend in one environment, the whole
 suite), ``rounding`` (the tests of composed computations again, with torch rounding float32
-another way), ``compile``, ``lint`` and ``docs``; each framework is installed once. ``nox -l`` lists all sessions;
-``nox -s torch`` runs one backend alone. Environments are reused between runs.
+another way), ``compile``, ``lint`` and ``docs``; each framework is installed once.
+``nox -l`` lists all sessions; ``nox -s torch`` runs one backend alone. Environments are
+reused between runs.
 
 Every test session sets ``PORTABLE_ATTENTION_BACKENDS`` to exactly the backends it
 installed, so the suite fails (it does not skip) when one of them does not import.

@@ -10,7 +10,7 @@ every call of those lengths, as FlexAttention's ``BlockMask``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,42 @@ import numpy as np
 from portable_attention._checks import as_int, type_name
 
 
-@dataclass(frozen=True, eq=False)  # compared and hashed by identity: plans are reused
+@dataclass(frozen=True)
+class BlockLayout:
+    """What a :class:`BlockPlan` says about the score grid, without its ``mask_mod``.
+
+    A call's description (:class:`~portable_attention._spec.Call`, and so every cache keyed
+    by it) holds this, never the plan: it is plain data, compared and hashed by value (the
+    hash computed once), so no cache keeps the user's function or what it captures alive,
+    and two plans of the same blocks share their cache entries. Attributes as
+    :class:`BlockPlan`'s.
+    """
+
+    q_len: int
+    kv_len: int
+    block_size: int
+    batch: int | None
+    heads: int | None
+    kept: tuple[tuple[int, int], ...]
+    full: frozenset[tuple[int, int]]
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.q_len, self.kv_len, self.block_size, self.batch, self.heads)
+        object.__setattr__(self, "_hash", hash((*fields, self.kept, self.full)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def density(self) -> float:
+        """The fraction of the grid's blocks that are computed."""
+        nq = -(-self.q_len // self.block_size)
+        nk = -(-self.kv_len // self.block_size)
+        return len(self.kept) / max(nq * nk, 1)
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class BlockPlan:
     """Which ``block_size`` blocks of the score grid a ``mask_mod`` keeps.
 
@@ -26,6 +61,8 @@ class BlockPlan:
     ----------
     mask_mod : callable
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend).
+    layout : BlockLayout
+        The blocks, without the function (what a call keeps of the plan).
     q_len, kv_len, block_size : int
         The grid it was built for.
     batch, heads : int or None
@@ -39,20 +76,20 @@ class BlockPlan:
     """
 
     mask_mod: Any
-    q_len: int
-    kv_len: int
-    block_size: int
-    batch: int | None
-    heads: int | None
-    kept: tuple[tuple[int, int], ...]
-    full: frozenset[tuple[int, int]]
+    layout: BlockLayout
+
+    q_len = property(lambda self: self.layout.q_len)
+    kv_len = property(lambda self: self.layout.kv_len)
+    block_size = property(lambda self: self.layout.block_size)
+    batch = property(lambda self: self.layout.batch)
+    heads = property(lambda self: self.layout.heads)
+    kept = property(lambda self: self.layout.kept)
+    full = property(lambda self: self.layout.full)
 
     @property
     def density(self) -> float:
         """The fraction of the grid's blocks that are computed."""
-        nq = -(-self.q_len // self.block_size)
-        nk = -(-self.kv_len // self.block_size)
-        return len(self.kept) / max(nq * nk, 1)
+        return self.layout.density
 
     def __repr__(self) -> str:
         return (
@@ -141,7 +178,8 @@ def block_plan(
                 kept.append((qi, ki))
                 if block.all():
                     full.add((qi, ki))
-    return BlockPlan(mask_mod, q_len, kv_len, size, n_batch, n_heads, tuple(kept), frozenset(full))
+    layout = BlockLayout(q_len, kv_len, size, n_batch, n_heads, tuple(kept), frozenset(full))
+    return BlockPlan(mask_mod, layout)
 
 
 def _check_axes_used(

@@ -77,8 +77,8 @@ class Grads(NamedTuple):
 def block_size(call: Call) -> int:
     """The block length of both passes: a block plan's, ``chunk_size``, else
     :func:`_core.auto_chunk`."""
-    if call.block_plan is not None:
-        size: int = call.block_plan.block_size
+    if call.blocks is not None:
+        size: int = call.blocks.block_size
         return size
     return call.chunk_size or _core.auto_chunk(call)
 
@@ -99,7 +99,7 @@ def pairs(call: Call, size: int) -> list[tuple[int, int]]:
     options only)."""
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     nq, nk = grid(call, size)
-    kept = None if call.block_plan is None else set(call.block_plan.kept)
+    kept = None if call.blocks is None else set(call.blocks.kept)
     return [
         (qi, ki)
         for qi in range(nq)
@@ -131,7 +131,7 @@ def block_allow(
         allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
     if mods is None or (mods.q_ids is None and mods.mask_mod is None):
         return allow
-    if mods.mask_mod is not None and call.block_plan is not None and pair in call.block_plan.full:
+    if mods.mask_mod is not None and call.blocks is not None and pair in call.blocks.full:
         mods = Mods(mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos, None, None)
     layout = (*ops.q.shape[:-2], rows[1] - rows[0], cols[1] - cols[0])
     spans = ((rows[0], rows[1] - rows[0]), (cols[0], cols[1] - cols[0]))

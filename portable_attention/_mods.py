@@ -270,8 +270,8 @@ def block_mask(
         shape = user_shape(call, rows[1], cols[1])
         got = mods.mask_mod(*indices(call, rows, cols))
         check_mask_mod_result(xp, got, shape)
-        if call.block_plan is not None:
-            plan = call.block_plan
+        if call.blocks is not None:
+            plan = call.blocks
             check_mod_axes(shape_of(got), heads=plan.heads, batch=plan.batch)
         if got.ndim > 2 and tuple(layout) != shape:  # per head: split like the scores' heads
             got = xp.reshape(xp.broadcast_to(got, shape), layout)

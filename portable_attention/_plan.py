@@ -54,7 +54,7 @@ class Plan:
 def _portable(call: Call, why: str) -> Plan:
     if call.return_weights:
         return Plan(PORTABLE, f"{why}; return_weights needs the whole score matrix")
-    plan = call.block_plan
+    plan = call.blocks
     if plan is not None and plan.density < 1:
         return Plan(
             CHUNKED,

@@ -66,8 +66,10 @@ class Call:
     #: arrays in :class:`portable_attention._mods.Mods`, not in the call's description).
     score_mod: bool = False
     mask_mod: bool = False
-    #: The ``masks.BlockPlan`` given as ``mask_mod`` (hashed by identity), or None.
-    block_plan: Any = None
+    #: The blocks of the ``masks.BlockPlan`` given as ``mask_mod`` (its ``layout``: plain
+    #: data, by value; the plan and its function stay out of the description, so that the
+    #: caches keyed by it keep nothing of the user's alive), or None.
+    blocks: Any = None
 
     def __hash__(self) -> int:
         # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).
@@ -533,7 +535,7 @@ def validate_call(
         segments=segments,
         score_mod=score_mod is not None,
         mask_mod=mask_mod is not None,
-        block_plan=plan,
+        blocks=None if plan is None else plan.layout,
     )
 
 

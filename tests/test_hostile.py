@@ -8,7 +8,8 @@ in backticks and contains the case's hints (what to do, the shapes or dtypes). E
 runs on every selected backend it applies to.
 
 Cases that tests/test_errors.py already holds are not repeated here; they are listed in
-:data:`IN_TEST_ERRORS` and count towards the catalogue (``test_catalogue_ids_are_unique_and_every_option_has_a_case``).
+:data:`IN_TEST_ERRORS` and count towards the catalogue
+(``test_catalogue_ids_are_unique_and_every_option_has_a_case``).
 
 Part 2: inputs that look hostile but must work and match the float64 oracle:
 non-contiguous and negatively strided views, zero-stride (broadcast) views,

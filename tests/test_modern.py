@@ -9,7 +9,9 @@ plan or segment ids rule out are never computed.
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -1487,6 +1489,39 @@ def test_block_plan_skipped_blocks_are_not_computed(backend: Backend) -> None:
     dout = backend.asarray(randn(rng, Q))
     attend_backward(dout, q, k, v, out, lse, mask_mod=p)
     assert sorted(_grid_blocks(mask_calls)) == sorted(partial)
+
+
+class _Capture:
+    """What a user's mod captures (a batch's document ids, say): weakly referable."""
+
+    def __init__(self, ids: Any) -> None:
+        self.ids = ids
+
+
+@pytest.mark.parametrize("form", ["function", "block_plan"])
+def test_a_call_keeps_no_mod_alive(backend: Backend, form: str) -> None:
+    """FlexAttention's document-mask pattern: a fresh ``mask_mod`` per batch, closing over
+    that batch's document ids. Once the calls have returned, nothing of the package holds
+    a mod, its block plan or what it captured (on a GPU that would be device memory); the
+    calls still agree with the dense mask."""
+    lq = 16
+    q = backend.asarray(randn(rng_for("keeps-no-mod", lq), (1, 2, lq, 4)), "float32")
+    alive = []
+    for batch in range(4):
+        ids_np = np.arange(lq) // (2 + batch)
+        capture = _Capture(backend.asarray(ids_np))
+
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any, c: _Capture = capture) -> Any:
+            return c.ids[q_idx] == c.ids[kv_idx]
+
+        m = mod if form == "function" else block_plan(mod, lq, lq, block_size=8, like=q)
+        out = attend(q, q, q, mask_mod=m)
+        dense = attend(q, q, q, mask=backend.asarray(ids_np[:, None] == ids_np[None, :]))
+        assert_close(backend.to_numpy(out), backend.to_numpy(dense), "float32")
+        alive.append(weakref.ref(capture))
+        del capture, mod, m, out
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)
 
 
 def test_segment_ids_skip_blocks(backend: Backend) -> None:

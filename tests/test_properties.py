@@ -17,11 +17,12 @@ different one.
 
 Examples per test and backend: the "ci" profile (the default; derandomized, so every run
 draws the same examples) runs ``max_examples=30`` for each of the 7 property tests on each
-selected backend: 210 examples per backend, 840 with all four. ``HYPOTHESIS_PROFILE=thorough`` (``nox -s
-properties``) runs 240 per test and backend, with fresh random seeds each run. Gradients are
-checked on torch (every example of ``test_rows_without_keys``) and JAX (its float32 examples,
-under ``jax.jit``). On JAX the dims come from a fixed menu (``strategies.JAX_DIMS``): eager
-JAX compiles each operation for each new shape.
+selected backend: 210 examples per backend, 840 with all four.
+``HYPOTHESIS_PROFILE=thorough`` (``nox -s properties``) runs 240 per test and backend, with
+fresh random seeds each run. Gradients are checked on torch (every example of
+``test_rows_without_keys``) and JAX (its float32 examples, under ``jax.jit``). On JAX the
+dims come from a fixed menu (``strategies.JAX_DIMS``): eager JAX compiles each operation
+for each new shape.
 """
 
 from __future__ import annotations

@@ -1018,7 +1018,7 @@ def test_the_suite_uses_the_packages_reader(monkeypatch: pytest.MonkeyPatch) -> 
     """The conftest's backends are what selected_backends gives for the suite's names."""
     import conftest
 
-    assert conftest.BACKEND_NAMES == selected_backends(known=conftest.KNOWN)
+    assert selected_backends(known=conftest.KNOWN) == conftest.BACKEND_NAMES
 
 
 # -- reference_attention ------------------------------------------------------------------------

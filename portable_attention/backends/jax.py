@@ -739,8 +739,8 @@ def _block_size(call: _spec.Call) -> int:
     passes over memory: unmasked, ``[1, 8, 2048, 64]`` float32 took 104 ms forward and
     449 ms under ``jit(grad)`` with blocks of 512, 119 and 493 ms with blocks of 256
     (native:jax: 112 and 684 ms); causal, blocks of 256 or less measured fastest."""
-    if call.block_plan is not None:  # its pairs are blocks of its size
-        return int(call.block_plan.block_size)
+    if call.blocks is not None:  # its pairs are blocks of its size
+        return int(call.blocks.block_size)
     if call.chunk_size is not None:
         size = call.chunk_size
     elif _core.band_keeps_all(call):
