@@ -308,7 +308,7 @@ def _with_sinks(call: Call, sinks: Any, out: Any, weights: Any, lse: Any) -> tup
     """A kernel's result with the sinks merged in (unchanged without sinks)."""
     if sinks is None:
         return out, weights, lse
-    return _mods.add_sinks(call, sinks, out, weights, lse)
+    return _core.add_sinks(call, sinks, out, weights, lse)
 
 
 def _keep_mask(call: Call, rng: Any) -> _core.KeepMask | None:

@@ -387,7 +387,7 @@ def backward(
     ``mods``: segment ids and a ``mask_mod`` (a ``score_mod`` needs autodiff: torch and
     JAX differentiate it on their own paths). ``sinks``: with the ``lse`` that includes
     them, every block's ``exp(s - lse)`` is already the probability with the sink in the
-    denominator; ``dsinks`` comes from the rows' ``delta`` (:func:`_mods.sinks_grad`).
+    denominator; ``dsinks`` comes from the rows' ``delta`` (:func:`_core.sinks_grad`).
     ``math``: the blocks' elementwise steps (:func:`block_math`). Returns :class:`Grads`
     in the inputs' dtypes and shapes.
     """
@@ -399,7 +399,7 @@ def backward(
     if lq == 0 or lk == 0:
         dsinks = None
         if sinks is not None:
-            dsinks = _mods.sinks_grad_from(call, sinks, dout, out, lse, dlse)
+            dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
         return Grads(
             xp.zeros_like(q),
             xp.zeros_like(k),
@@ -414,7 +414,7 @@ def backward(
         delta = delta - grouped(call, dlse, last=None)
     dsinks = None
     if sinks is not None:
-        dsinks = _mods.sinks_grad_from(call, sinks, dout, out, lse, dlse)
+        dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
     # Rows with no key (lse = -inf): +inf makes every p = exp(s - inf) = 0 (NaN stays NaN).
     lse_g = grouped(call, lse, last=None)
     lse_g = xp.where(lse_g == -xp.inf, xp.inf, lse_g)

@@ -342,7 +342,7 @@ def dense(
     divisions) rather than to the scores (``Lq*Lk``) unless the weights are wanted.
     ``guarded``: the softmax's empty-row guards; None: where :func:`rows_may_be_empty`.
     ``mods``: the call's segment ids and score/mask mods (sinks are added by the caller:
-    :func:`portable_attention._mods.add_sinks`).
+    :func:`add_sinks`).
     An adapter may ask for them where they measure faster. ``band=False``: ``q`` may be
     a block of the call's query rows, and ``mask`` (cut to those rows) already holds
     ``causal`` and ``window`` (JAX's query blocks, whose offset is traced).
@@ -429,6 +429,85 @@ def finish_rows(xp: Any, total: Any, shift: Any) -> tuple[Any, Any]:
     if shift is not None:
         lse = lse + shift
     return total_safe, xp.where(has_key, lse, -xp.inf)
+
+
+def merge_lse(xp: Any, lse_a: Any, lse_b: Any) -> tuple[Any, Any, Any]:
+    """The guarded log-sum-exp merge of two partial results over disjoint key sets (the
+    ring's shards, the keys and a sink): ``(lse, w_a, w_b)`` with ``lse = log(exp(lse_a) +
+    exp(lse_b))`` and ``w_x = exp(lse_x - lse)``, the factor of each part's output in the
+    union's (``out = w_a * out_a + w_b * out_b``). Computed around the larger lse and
+    finished by :func:`finish_rows`: a row with no key in either (both ``-inf``) gets
+    ``lse = -inf`` and factors 0, NaN rows keep NaN, and every exponent sees a finite
+    operand (never ``-inf - -inf``), so no gradient through it is NaN. In the operands'
+    dtype."""
+    m = xp.maximum(lse_a, lse_b)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0)
+    e_a, e_b = xp.exp(lse_a - m_safe), xp.exp(lse_b - m_safe)
+    total_safe, lse = finish_rows(xp, e_a + e_b, m_safe)
+    return lse, e_a / total_safe, e_b / total_safe
+
+
+# -- sinks: one more logit in the softmax's denominator, merged like a partial result ---
+
+
+def add_sinks(call: Call, sinks: Any, out: Any, weights: Any, lse: Any) -> tuple[Any, Any, Any]:
+    """``(out, weights, lse)`` with one more logit per query head in the softmax's
+    denominator: the merge of the keys' result with a sink of value 0 (so
+    ``lse = logaddexp(lse, sink)`` and ``out``, ``weights`` scaled by ``exp(lse_keys -
+    lse)``). Rows with no key: out 0, weights 0, lse = sink; a sink of ``-inf`` changes
+    nothing. Every exponent and log sees a safe operand selected by ``where``, so no
+    gradient through it is NaN."""
+    xp, ct = call.xp, call.compute_dtype
+    sink = sink_rows(call, sinks)
+    lse_new, factor, _ = merge_lse(xp, lse, sink)  # the sink's output is 0
+    factor = factor[..., None]
+    out = xp.astype(xp.astype(out, ct, copy=False) * factor, call.dtype, copy=False)
+    if weights is not None:
+        weights = xp.astype(xp.astype(weights, ct, copy=False) * factor, call.dtype, copy=False)
+    return out, weights, lse_new
+
+
+def sink_rows(call: Call, sinks: Any) -> Any:
+    """``sinks`` in the compute dtype, shaped to broadcast against lse ``[..., Hq, Lq]``."""
+    xp = call.xp
+    heads = call.q_shape[:-2]
+    shape = (1,) * (len(heads) - sinks.ndim) + tuple(sinks.shape)
+    if not heads:  # 2-D q: one implicit head, sinks () or (1,)
+        shape = ()
+    x = xp.reshape(xp.astype(sinks, call.compute_dtype, copy=False), (*shape, 1))
+    return x
+
+
+def sinks_grad(call: Call, sinks: Any, lse: Any, delta: Any) -> Any:
+    """d loss / d sinks from the rows' ``lse`` (with the sink) and ``delta`` (``rowsum(dout
+    * out) - dlse``): each row contributes ``-exp(sink - lse) * delta``, summed over the
+    rows and the axes ``sinks`` broadcasts along; in ``sinks``' shape and dtype."""
+    xp = call.xp
+    sink = sink_rows(call, sinks)
+    lse_safe = xp.where(lse == -xp.inf, xp.inf, lse)  # empty rows with a -inf sink: p = 0
+    g = -xp.exp(sink - lse_safe) * delta
+    g = xp.sum(g, axis=-1)  # over the query rows
+    target = tuple(sinks.shape)
+    lead = g.ndim - len(target)
+    if lead > 0:
+        g = xp.sum(g, axis=tuple(range(lead)))
+    elif lead < 0:
+        g = xp.reshape(g, (1,) * -lead + tuple(g.shape))
+    axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, target, strict=True)) if b == 1 != a)
+    if axes:
+        g = xp.sum(g, axis=axes, keepdims=True)
+    g = xp.reshape(xp.asarray(g), target)  # NumPy's full sum is a scalar: an array again
+    return xp.astype(g, sinks.dtype, copy=False)
+
+
+def sinks_grad_from(call: Call, sinks: Any, dout: Any, out: Any, lse: Any, dlse: Any) -> Any:
+    """:func:`sinks_grad` from the backward's arrays: ``delta = rowsum(dout * out) -
+    dlse`` (rows with no key: ``out = 0``, so ``dsinks = dlse`` there)."""
+    xp, ct = call.xp, call.compute_dtype
+    delta = xp.sum(xp.astype(dout, ct, copy=False) * xp.astype(out, ct, copy=False), axis=-1)
+    if dlse is not None:
+        delta = delta - xp.astype(dlse, ct, copy=False)
+    return sinks_grad(call, sinks, lse, delta)
 
 
 def auto_chunk(call: Call, budget: int = CHUNK_BUDGET) -> int:

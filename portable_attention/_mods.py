@@ -4,8 +4,8 @@ Array-API only, as :mod:`portable_attention._core`. The three features enter the
 computation at three places:
 
 - **sinks** after the softmax's sum: a kernel's ``(out, lse)`` over the keys is merged
-  with a "sink" of value 0 and logit ``sink`` (:func:`add_sinks`), exactly the
-  log-sum-exp merge of two partial results. Every path that gives ``lse`` takes sinks
+  with a "sink" of value 0 and logit ``sink`` (:func:`portable_attention._core.add_sinks`),
+  by the one log-sum-exp merge of two partial results. Every path that gives ``lse`` takes sinks
   so, and autodiff (or the blockwise backward's ``dlse``) carries their gradient.
 - **segment ids** and **mask_mod** as one more boolean mask of a block of scores
   (:func:`block_mask`), built from the ids and from the index arrays of the block.
@@ -107,71 +107,6 @@ def aligned_positions(xp: Any, ids: Any, align: str) -> Any:
 
 def _device(x: Any) -> Any:
     return array_api_compat.device(x)
-
-
-def add_sinks(call: Call, sinks: Any, out: Any, weights: Any, lse: Any) -> tuple[Any, Any, Any]:
-    """``(out, weights, lse)`` with one more logit per query head in the softmax's
-    denominator: the merge of the keys' result with a sink of value 0 (so
-    ``lse = logaddexp(lse, sink)`` and ``out``, ``weights`` scaled by ``exp(lse_keys -
-    lse)``). Rows with no key: out 0, weights 0, lse = sink; a sink of ``-inf`` changes
-    nothing. Every exponent and log sees a safe operand selected by ``where``, so no
-    gradient through it is NaN."""
-    xp, ct = call.xp, call.compute_dtype
-    sink = sink_rows(call, sinks)
-    m = xp.maximum(lse, sink)
-    m_safe = xp.where(xp.isfinite(m), m, 0.0)
-    total = xp.exp(lse - m_safe) + xp.exp(sink - m_safe)
-    has = total != 0  # NaN rows stay NaN
-    total_safe = xp.where(has, total, 1.0)
-    lse_new = xp.where(has, m_safe + xp.log(total_safe), -xp.inf)
-    factor = xp.where(has, xp.exp(lse - xp.where(has, lse_new, 0.0)), 0.0)[..., None]
-    out = xp.astype(xp.astype(out, ct, copy=False) * factor, call.dtype, copy=False)
-    if weights is not None:
-        weights = xp.astype(xp.astype(weights, ct, copy=False) * factor, call.dtype, copy=False)
-    return out, weights, lse_new
-
-
-def sink_rows(call: Call, sinks: Any) -> Any:
-    """``sinks`` in the compute dtype, shaped to broadcast against lse ``[..., Hq, Lq]``."""
-    xp = call.xp
-    heads = call.q_shape[:-2]
-    shape = (1,) * (len(heads) - sinks.ndim) + tuple(sinks.shape)
-    if not heads:  # 2-D q: one implicit head, sinks () or (1,)
-        shape = ()
-    x = xp.reshape(xp.astype(sinks, call.compute_dtype, copy=False), (*shape, 1))
-    return x
-
-
-def sinks_grad(call: Call, sinks: Any, lse: Any, delta: Any) -> Any:
-    """d loss / d sinks from the rows' ``lse`` (with the sink) and ``delta`` (``rowsum(dout
-    * out) - dlse``): each row contributes ``-exp(sink - lse) * delta``, summed over the
-    rows and the axes ``sinks`` broadcasts along; in ``sinks``' shape and dtype."""
-    xp = call.xp
-    sink = sink_rows(call, sinks)
-    lse_safe = xp.where(lse == -xp.inf, xp.inf, lse)  # empty rows with a -inf sink: p = 0
-    g = -xp.exp(sink - lse_safe) * delta
-    g = xp.sum(g, axis=-1)  # over the query rows
-    target = tuple(sinks.shape)
-    lead = g.ndim - len(target)
-    if lead > 0:
-        g = xp.sum(g, axis=tuple(range(lead)))
-    elif lead < 0:
-        g = xp.reshape(g, (1,) * -lead + tuple(g.shape))
-    axes = tuple(i for i, (a, b) in enumerate(zip(g.shape, target, strict=True)) if b == 1 != a)
-    if axes:
-        g = xp.sum(g, axis=axes, keepdims=True)
-    g = xp.reshape(xp.asarray(g), target)  # NumPy's full sum is a scalar: an array again
-    return xp.astype(g, sinks.dtype, copy=False)
-
-
-def sinks_grad_from(call: Call, sinks: Any, dout: Any, out: Any, lse: Any, dlse: Any) -> Any:
-    """:func:`sinks_grad` from the backward's arrays: ``delta = rowsum(dout * out) -
-    dlse`` (rows with no key: ``out = 0``, so ``dsinks = dlse`` there)."""
-    xp, ct = call.xp, call.compute_dtype
-    delta = xp.sum(xp.astype(dout, ct, copy=False) * xp.astype(out, ct, copy=False), axis=-1)
-    if dlse is not None:
-        delta = delta - xp.astype(dlse, ct, copy=False)
-    return sinks_grad(call, sinks, lse, delta)
 
 
 # ------------------------------------------------------------------------------------------

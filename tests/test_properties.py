@@ -312,7 +312,12 @@ def test_key_permutation_invariance(backend: Backend, data: st.DataObject) -> No
 @given(data=st.data())
 def test_inputs_are_not_modified(backend: Backend, data: st.DataObject) -> None:
     """q, k, v, mask and bias hold the same values (and, on torch, the same version counter)
-    after the call, on every path, with and without dropout."""
+    after the call, on every path, with and without dropout. Not on JAX, whose arrays
+    cannot be written: what a call could do to them there (donate their buffers, which
+    deletes them) breaks every test that reads its inputs after the call, the whole sweep's
+    comparison with the oracle first."""
+    if backend.name == "jax":
+        pytest.skip("JAX arrays are immutable (donated inputs fail every oracle comparison)")
     case = data.draw(cases(backend), label="case")
     path = data.draw(st.sampled_from(PATHS), label="path")
     dropout = data.draw(st.sampled_from((0.0, 0.0, 0.3)), label="dropout")
@@ -403,5 +408,8 @@ def test_jax_fused_bias_row_of_neg_inf_has_zero_gradient() -> None:
         grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, impl)
     for g, want in zip(grads["fused"], grads["portable"], strict=True):
         assert bool(jnp.all(jnp.isfinite(g)))
-        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-6)
+        # two keys, four features: a gradient of a handful of float32 operations, which the
+        # table's float32 row bounds with room (it bounds one attention call of any size)
+        rtol, atol = TOLERANCES["float32"]
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=rtol, atol=atol)
     assert bool(jnp.all(grads["fused"][0][:, 1] == 0))

@@ -943,7 +943,7 @@ class JaxAdapter(Adapter):
             scan = _ScanMods(mods)
             grads = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse, scan)[0]
         if sinks is not None:
-            dsinks = _mods.sinks_grad_from(call, sinks, dout, out, lse, dlse)
+            dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
             grads = grads._replace(dsinks=dsinks)
         return grads
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from portable_attention import _spec
 from portable_attention._checks import type_name
-from portable_attention._mods import add_sinks
+from portable_attention._core import add_sinks
 from portable_attention.parallel._layout import (
     LAYOUTS,
     check_layout,

@@ -6,30 +6,24 @@ combine into the result over their union::
     lse = log(exp(lse_a) + exp(lse_b))
     out = (exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b)
 
-computed around the larger lse. A row with no key in either part (both lse ``-inf``)
-stays ``out = 0``, ``lse = -inf``: every exponent, division and log sees a safe operand
-selected by ``where`` (never ``-inf - -inf``), so no NaN appears and no gradient through
-it is NaN. The merge computes in the dtype of its operands: float64 stays float64.
+by the package's one guarded log-sum-exp merge, :func:`portable_attention._core.merge_lse`
+(also the merge of a sink): a row with no key in either part (both lse ``-inf``) stays
+``out = 0``, ``lse = -inf``, and no gradient through it is NaN. The merge computes in the
+dtype of its operands: float64 stays float64.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from portable_attention import _core
+
 
 def merge(xp: Any, out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
     """``(out, lse)`` of the union of two partial results (``out [..., L, D]``,
     ``lse [..., L]``, one dtype)."""
-    m = xp.maximum(lse_a, lse_b)
-    m_safe = xp.where(xp.isfinite(m), m, 0.0)
-    wa = xp.exp(lse_a - m_safe)
-    wb = xp.exp(lse_b - m_safe)
-    total = wa + wb
-    has_key = total != 0  # NaN rows stay NaN (as in attend); only empty rows become -inf
-    total_safe = xp.where(has_key, total, 1.0)
-    out = (wa[..., None] * out_a + wb[..., None] * out_b) / total_safe[..., None]
-    lse = xp.where(has_key, m_safe + xp.log(total_safe), -xp.inf)
-    return out, lse
+    lse, wa, wb = _core.merge_lse(xp, lse_a, lse_b)
+    return wa[..., None] * out_a + wb[..., None] * out_b, lse
 
 
 def splice(xp: Any, whole: Any, rows: tuple[int, int], part: Any, axis: int) -> Any:
