@@ -129,8 +129,13 @@ def _rerun_rounding_another_way(session: nox.Session) -> None:
     ``--xla_cpu_max_isa`` changed no float32 result measured, so torch's switch is the one.
     (The compile tests stay out: inductor's cache holds kernels built for the machine's
     vector width.)"""
-    env = {"PORTABLE_ATTENTION_BACKENDS": "numpy,torch", "ATEN_CPU_CAPABILITY": "default"}
-    session.run("python", "-m", "pytest", "-m", "not compile", *ROUNDING_TESTS, env=env)
+    env = {
+        "PORTABLE_ATTENTION_BACKENDS": "numpy,torch",
+        "ATEN_CPU_CAPABILITY": "default",
+        "JAX_PLATFORMS": "cpu",  # installed in tests-all's environment, though not selected
+    }
+    args = session.posargs if session.name == "rounding" else []
+    session.run("python", "-m", "pytest", "-m", "not compile", *ROUNDING_TESTS, *args, env=env)
 
 
 @nox.session

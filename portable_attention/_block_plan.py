@@ -10,8 +10,8 @@ every call of those lengths, as FlexAttention's ``BlockMask``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -36,14 +36,28 @@ class BlockLayout:
     heads: int | None
     kept: tuple[tuple[int, int], ...]
     full: frozenset[tuple[int, int]]
-    _hash: int = field(init=False, repr=False, compare=False)
+    _hash: ClassVar[int]  # set per instance, once: not a field
 
-    def __post_init__(self) -> None:
-        fields = (self.q_len, self.kv_len, self.block_size, self.batch, self.heads)
-        object.__setattr__(self, "_hash", hash((*fields, self.kept, self.full)))
+    def __post_init__(self) -> None:  # the hash once (not a field: pickles rebuild it)
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (
+            self.q_len,
+            self.kv_len,
+            self.block_size,
+            self.batch,
+            self.heads,
+            self.kept,
+            self.full,
+        )
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # from the fields: a hash of another process (of None, say) must not come along
+        return (BlockLayout, self._fields())
 
     @property
     def density(self) -> float:

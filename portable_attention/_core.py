@@ -437,9 +437,9 @@ def merge_lse(xp: Any, lse_a: Any, lse_b: Any) -> tuple[Any, Any, Any]:
     exp(lse_b))`` and ``w_x = exp(lse_x - lse)``, the factor of each part's output in the
     union's (``out = w_a * out_a + w_b * out_b``). Computed around the larger lse and
     finished by :func:`finish_rows`: a row with no key in either (both ``-inf``) gets
-    ``lse = -inf`` and factors 0, NaN rows keep NaN, and every exponent sees a finite
-    operand (never ``-inf - -inf``), so no gradient through it is NaN. In the operands'
-    dtype."""
+    ``lse = -inf`` and factors 0, NaN rows keep NaN, and no exponent sees ``-inf - -inf``
+    (each subtracts a finite shift, so an empty part's exponent is 0), so no gradient
+    through it is NaN. In the operands' dtype."""
     m = xp.maximum(lse_a, lse_b)
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
     e_a, e_b = xp.exp(lse_a - m_safe), xp.exp(lse_b - m_safe)

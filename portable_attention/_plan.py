@@ -108,7 +108,9 @@ def _decide(call: Call, implementation: str) -> Plan:
 
 def choose(call: Call, implementation: str) -> Plan:
     """The plan for ``call``; ``implementation="fused"`` raises where none applies."""
-    if adapter(call.backend).tracing():
+    # A block plan's blocks (a new one per batch of documents, say) would fill the cache
+    # with layouts of up to a few MB each: such calls are decided afresh (it is quick).
+    if call.blocks is not None or adapter(call.backend).tracing():
         plan = _decide.__wrapped__(call, implementation)
     else:
         plan = _decide(call, implementation)

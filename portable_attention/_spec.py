@@ -14,9 +14,12 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import array_api_compat
+
+if TYPE_CHECKING:
+    from portable_attention._block_plan import BlockLayout
 
 from portable_attention._checks import (
     as_int,
@@ -69,7 +72,7 @@ class Call:
     #: The blocks of the ``masks.BlockPlan`` given as ``mask_mod`` (its ``layout``: plain
     #: data, by value; the plan and its function stay out of the description, so that the
     #: caches keyed by it keep nothing of the user's alive), or None.
-    blocks: Any = None
+    blocks: BlockLayout | None = None
 
     def __hash__(self) -> int:
         # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).

@@ -14,11 +14,12 @@ from typing import Any
 import array_api_compat
 
 from portable_attention import _spec
-from portable_attention._block_plan import BlockPlan, block_plan
+from portable_attention._block_plan import BlockLayout, BlockPlan, block_plan
 from portable_attention._checks import as_int, broadcast_shape, is_kind, shape_of
 from portable_attention._spec import check_arrays, namespace_of
 
 __all__ = [
+    "BlockLayout",
     "BlockPlan",
     "block_plan",
     "causal_mask",

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from portable_attention import mha
 
-from test_mha import GRAD64, MHA_TOL  # the bounds derived there (same sizes and data)
-
 import oracle
 from conftest import requires_backend
+from helpers import GRAD64, MHA_TOL
 
 # Compositions compared within one dtype (jit against eager, a vmap against single calls,
 # nnx.grad against jax.grad, a state moved from torch) run in float64, where two orders of

@@ -14,35 +14,10 @@ import numpy as np
 import pytest
 from portable_attention import mha
 from portable_attention.masks import block_plan
-from portable_attention.testing import tolerance
 
 import oracle
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
-from helpers import assert_like, rng_for, run_python
-
-# How far a multi-head result in `dtype` may be from the float64 oracle (tests/test_flax_mha.py
-# uses it too): a first-order bound from the computation, not what passed on one CPU. The
-# tolerance table covers attend's own arithmetic on the projected q, k, v. The products
-# around it have length n <= E = 16 (kdim, vdim <= 16), and whatever the summation order,
-# vector width or FMA use, a dot product errs by at most n * u * sum_i |x_i w_i| (u = 2**-24
-# in float32, 2**-53 in float64; Higham, Accuracy and Stability of Numerical Algorithms,
-# sec. 3.1). With the rounding of the inputs and the bias: (n + 3) * u * M, where
-# M = max(sum_i |x_i w_i| + |b|) = 7.0 at most for these tests' seeded inputs (x ~ N(0, 1),
-# Xavier weights, |b| <= 0.3). A score q.k / sqrt(D) then moves by at most S = 8.5 times that
-# (S = max(|q|_1 + |k|_1) / sqrt(D) here), a softmax weight by twice that, relatively:
-# rho = 2 * S * (n + 3) * M * u (1.35e-4 in float32), added to the table's rtol and, per unit
-# of output (|out| < 2.3 here), to its atol.
-_MHA_STEPS = 2 * 8.5 * (16 + 3) * 7.0  # rho / u
-MHA_TOL = {
-    dt: (tolerance(dt).rtol + _MHA_STEPS * u, tolerance(dt).atol + _MHA_STEPS * u)
-    for dt, u in (("float64", 2.0**-53), ("float32", 2.0**-24))
-}
-# Composed computations compared with each other (a module against torch's, one framework
-# against another, compiled against eager, packed against alone) run in float64, where the
-# same chain bounds both sides' rounding by MHA_TOL["float64"]; in float32 that rounding
-# differs between CPUs. Gradients go back through the same products (twice the steps) and
-# sum over batch and positions (values up to 30x the outputs): 10x that, GRAD64.
-GRAD64 = (10 * MHA_TOL["float64"][0], 10 * MHA_TOL["float64"][1])
+from helpers import GRAD64, MHA_TOL, assert_like, rng_for, run_python
 
 
 def oracle_mha(

@@ -398,6 +398,41 @@ def test_sinks_segments_and_mods(method: str) -> None:
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-12, err_msg=name)
 
 
+class _Capture:
+    """What a user's mod captures: weakly referable."""
+
+    def __init__(self, shift: int) -> None:
+        self.shift = shift
+
+
+def test_sharded_call_keeps_no_mod_alive() -> None:
+    """A fresh ``mask_mod`` per call through ``sharded_attend`` (Ulysses): once the calls
+    have returned, nothing of the package holds the mod or what it captured (the compiled
+    function's cache had kept both); each call still agrees with one device."""
+    import gc
+    import weakref
+
+    mesh = mesh_of(4)
+    q, k, v, _, _ = _inputs("sharded-mods", jnp.float64, 8, 4, 32, 32)
+    alive = []
+    for shift in (3, 9):
+        capture = _Capture(shift)
+
+        def mod(b: Any, h: Any, qi: Any, ki: Any, c: _Capture = capture) -> Any:
+            return qi - ki < c.shift
+
+        with jax.set_mesh(mesh):
+            out = parallel.sharded_attend(
+                q, k, v, mesh=mesh, axis="s", method="ulysses", mask_mod=mod
+            )
+        want = pa.attend(q, k, v, mask_mod=mod)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-12)
+        alive.append(weakref.ref(capture))
+        del capture, mod, out, want
+    gc.collect()
+    assert [r() is None for r in alive] == [True, True]
+
+
 def test_ulysses_takes_a_pair_of_segment_ids() -> None:
     """``segment_ids=(q_ids, kv_ids)`` through ``sharded_attend``: each array of the pair
     placed on the mesh (replicated), the result that of one device."""

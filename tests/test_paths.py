@@ -707,6 +707,7 @@ def test_jax_native_compiles_once_when_eager(caplog: pytest.LogCaptureFixture) -
     q, k, v = _qkv(backend, (1, 2, 512, 16), (1, 2, 512, 16))
     assert plan(q, k, v).path == "native:jax"
     first = attend(q, k, v, causal=True)
+    caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="jax"), jax.log_compiles():
         for _ in range(3):
             again = jax.block_until_ready(attend(q, k, v, causal=True))

@@ -372,8 +372,13 @@ def sharded_attend(
     seq = _seq_spec(q.ndim, -2, axis)
     placed = [_place(x, mesh, seq) for x in (q, k, v)]
     placed += [jax.tree.map(lambda a: _place(a, mesh, P()), x) for x in arrays.values()]
+    # A user's mod (and what it captures) must not outlive the call in the cache: a call
+    # with one builds its function for itself, as does one with an unhashable option.
+    build: Callable[..., Any] = _sharded_function
+    if extra.get("mask_mod") is not None or extra.get("score_mod") is not None:
+        build = _sharded_function.__wrapped__
     try:
-        function = _sharded_function(mesh, axis, method, layout, static, tuple(arrays), q.ndim)
+        function = build(mesh, axis, method, layout, static, tuple(arrays), q.ndim)
     except TypeError:  # an unhashable static option: build it for this call alone
         function = _sharded_function.__wrapped__(
             mesh, axis, method, layout, static, tuple(arrays), q.ndim
