@@ -61,11 +61,15 @@ def _framework_requirements(backends: tuple[str, ...]) -> list[str]:
     return reqs
 
 
-def _run_tests(session: nox.Session, backends: tuple[str, ...], *args: str) -> None:
+def _install(session: nox.Session, backends: tuple[str, ...]) -> None:
     # One pip call: the pinned torch is resolved together with the package and the test
     # group, so nothing can ask for a newer torch behind our back. The package is
     # installed without extras (its `torch`/`jax` extras are unpinned ranges).
     session.install(*_framework_requirements(backends), ".", *_dependency_group("test"))
+
+
+def _run_tests(session: nox.Session, backends: tuple[str, ...], *args: str) -> None:
+    _install(session, backends)
     env = {"PORTABLE_ATTENTION_BACKENDS": ",".join(backends)}
     if "jax" in backends:
         # CPU jaxlib; skip the accelerator probe and its warnings.
@@ -120,7 +124,7 @@ ROUNDING_TESTS = (
 )
 
 
-def _rerun_rounding_another_way(session: nox.Session) -> None:
+def _rerun_rounding_another_way(session: nox.Session, *args: str) -> None:
     """The tests of composed computations again, with torch's CPU kernels rounding float32
     another way: ``ATEN_CPU_CAPABILITY=default`` (no AVX2/AVX-512 code) changes which bits
     round which way on this very machine, as another CPU would. A tolerance that merely
@@ -134,15 +138,14 @@ def _rerun_rounding_another_way(session: nox.Session) -> None:
         "ATEN_CPU_CAPABILITY": "default",
         "JAX_PLATFORMS": "cpu",  # installed in tests-all's environment, though not selected
     }
-    args = session.posargs if session.name == "rounding" else []
     session.run("python", "-m", "pytest", "-m", "not compile", *ROUNDING_TESTS, *args, env=env)
 
 
 @nox.session
 def rounding(session: nox.Session) -> None:
     """Only the rerun of the composed-computation tests that ``tests-all`` ends with."""
-    session.install(*_framework_requirements(("numpy", "torch")), ".", *_dependency_group("test"))
-    _rerun_rounding_another_way(session)
+    _install(session, ("numpy", "torch"))
+    _rerun_rounding_another_way(session, *session.posargs)
 
 
 @nox.session(name="compile")

@@ -144,3 +144,11 @@ MHA_TOL = {
 # rounding differs between CPUs. Gradients go back through the same products (twice the steps) and
 # sum over batch and positions (values up to 30x the outputs): 10x that, GRAD64.
 GRAD64 = (10 * MHA_TOL["float64"][0], 10 * MHA_TOL["float64"][1])
+
+
+class Capture:
+    """What a user's mod captures (a batch's document ids, say): weakly referable, so a
+    test can see whether anything still holds it after a call."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value

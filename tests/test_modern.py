@@ -25,7 +25,7 @@ from portable_attention.testing import reference_attention
 
 import oracle
 from conftest import BACKENDS, BY_NAME, Backend, foreign_array, requires_backend
-from helpers import assert_close, assert_like, check_against_oracle, randn, rng_for
+from helpers import Capture, assert_close, assert_like, check_against_oracle, randn, rng_for
 
 B, HQ, HK, L, D = 2, 4, 2, 24, 8
 LQ = 10  # the query length of the (q_ids, kv_ids) cases: fewer queries than keys
@@ -1491,13 +1491,6 @@ def test_block_plan_skipped_blocks_are_not_computed(backend: Backend) -> None:
     assert sorted(_grid_blocks(mask_calls)) == sorted(partial)
 
 
-class _Capture:
-    """What a user's mod captures (a batch's document ids, say): weakly referable."""
-
-    def __init__(self, ids: Any) -> None:
-        self.ids = ids
-
-
 @pytest.mark.parametrize("form", ["function", "block_plan"])
 def test_a_call_keeps_no_mod_alive(backend: Backend, form: str) -> None:
     """FlexAttention's document-mask pattern: a fresh ``mask_mod`` per batch, closing over
@@ -1509,10 +1502,10 @@ def test_a_call_keeps_no_mod_alive(backend: Backend, form: str) -> None:
     alive = []
     for batch in range(4):
         ids_np = np.arange(lq) // (2 + batch)
-        capture = _Capture(backend.asarray(ids_np))
+        capture = Capture(backend.asarray(ids_np))
 
-        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any, c: _Capture = capture) -> Any:
-            return c.ids[q_idx] == c.ids[kv_idx]
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any, c: Capture = capture) -> Any:
+            return c.value[q_idx] == c.value[kv_idx]
 
         m = mod if form == "function" else block_plan(mod, lq, lq, block_size=8, like=q)
         out = attend(q, q, q, mask_mod=m)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import BY_NAME, TOLERANCES
-from helpers import rng_for
+from helpers import Capture, rng_for
 
 DEVICES = 8
 IN_SESSION = os.environ.get("PORTABLE_ATTENTION_PARALLEL") == "1"
@@ -398,13 +398,6 @@ def test_sinks_segments_and_mods(method: str) -> None:
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-12, err_msg=name)
 
 
-class _Capture:
-    """What a user's mod captures: weakly referable."""
-
-    def __init__(self, shift: int) -> None:
-        self.shift = shift
-
-
 def test_sharded_call_keeps_no_mod_alive() -> None:
     """A fresh ``mask_mod`` per call through ``sharded_attend`` (Ulysses): once the calls
     have returned, nothing of the package holds the mod or what it captured (the compiled
@@ -416,10 +409,10 @@ def test_sharded_call_keeps_no_mod_alive() -> None:
     q, k, v, _, _ = _inputs("sharded-mods", jnp.float64, 8, 4, 32, 32)
     alive = []
     for shift in (3, 9):
-        capture = _Capture(shift)
+        capture = Capture(shift)
 
-        def mod(b: Any, h: Any, qi: Any, ki: Any, c: _Capture = capture) -> Any:
-            return qi - ki < c.shift
+        def mod(b: Any, h: Any, qi: Any, ki: Any, c: Capture = capture) -> Any:
+            return qi - ki < c.value
 
         with jax.set_mesh(mesh):
             out = parallel.sharded_attend(
