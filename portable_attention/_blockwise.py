@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from portable_attention import _core, _mods
+from portable_attention import masks as _masks
+from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
 from portable_attention._checks import is_kind, shape_of
-from portable_attention._core import Scores, allowed, block_of, operands
+from portable_attention._core import Operands, Scores, operands
 from portable_attention._mods import Mods
 from portable_attention._spec import Call, check_arrays
 
@@ -74,13 +76,32 @@ class Grads(NamedTuple):
     dsinks: Any = None
 
 
-def block_size(call: Call) -> int:
+#: ``score_grad(s, rows, cols) -> (s_modded, pullback)``: a ``score_mod`` applied to one
+#: block with its vector-Jacobian product, where the framework differentiates it (JAX);
+#: ``pullback(ds) -> (ds before the mod, *d consts)``, ``consts`` being the arrays the mod
+#: captures (:attr:`ScoreGrad.consts`), whose gradients the backward sums over blocks.
+class ScoreGrad(Protocol):
+    consts: tuple[Any, ...]
+
+    def __call__(
+        self, s: Any, rows: tuple[Any, int], cols: tuple[Any, int]
+    ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]: ...
+
+
+def block_size(call: Call, loop: BlockLoop | None = None) -> int:
     """The block length of both passes: a block plan's, ``chunk_size``, else
-    :func:`_core.auto_chunk`."""
-    if call.blocks is not None:
-        size: int = call.blocks.block_size
-        return size
-    return call.chunk_size or _core.auto_chunk(call)
+    :func:`_core.auto_chunk` of the loop's budget; never longer than the call needs (a
+    padded loop pads every call to whole blocks: a ring step's 8 x 8 block padded to
+    1024 x 1024 took 0.8 s on JAX)."""
+    if call.blocks is not None:  # its pairs are blocks of its size
+        return int(call.blocks.block_size)
+    if call.chunk_size is not None:
+        size = call.chunk_size
+    else:
+        budget = _core.CHUNK_BUDGET if loop is None else loop.budget(call, _core.CHUNK_BUDGET)
+        size = _core.auto_chunk(call, budget)
+    longest = max(call.q_shape[-2], call.k_shape[-2], 1)
+    return min(size, max(16, 1 << (longest - 1).bit_length()))
 
 
 def grid(call: Call, size: int) -> tuple[int, int]:
@@ -109,36 +130,150 @@ def pairs(call: Call, size: int) -> list[tuple[int, int]]:
     ]
 
 
-def block_allow(
-    call: Call,
-    ops: Any,
-    mods: Mods | None,
-    rows: tuple[int, int],
-    cols: tuple[int, int],
-    pair: tuple[int, int],
-    bands: dict[tuple[int, int, int], Any] | None = None,
-) -> Any:
-    """The block's mask (True = may attend): the user's ``mask``, ``causal``/``window``,
-    segment ids and ``mask_mod`` together; None where nothing masks. A block plan's full
-    blocks skip the ``mask_mod``. ``bands``: a pass's blocks of ``causal``/``window``
-    alone, by their offset and shape (the band of a block depends on nothing else)."""
-    if ops.mask is None and bands is not None:
-        key = (rows[0] - cols[0], rows[1] - rows[0], cols[1] - cols[0])
-        if key not in bands:
-            bands[key] = allowed(call, None, rows=rows, cols=cols)
-        allow = bands[key]
-    else:
-        allow = allowed(call, block_of(ops.mask, rows, cols), rows=rows, cols=cols)
-    if mods is None or (mods.q_ids is None and mods.mask_mod is None):
-        return allow
-    if mods.mask_mod is not None and call.blocks is not None and pair in call.blocks.full:
-        mods = Mods(mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos, None, None)
-    layout = (*ops.q.shape[:-2], rows[1] - rows[0], cols[1] - cols[0])
-    spans = ((rows[0], rows[1] - rows[0]), (cols[0], cols[1] - cols[0]))
-    extra = _mods.block_mask(call, mods, *spans, layout)
-    if extra is None:
-        return allow
-    return extra if allow is None else allow & extra
+def _partners(todo: list[tuple[int, int]], count: int, *, by_keys: bool) -> list[list[int]]:
+    """Each query block's key blocks (``by_keys``: each key block's query blocks), in the
+    order of ``todo``: the inner loops' tables."""
+    table: list[list[int]] = [[] for _ in range(count)]
+    for qi, ki in todo:
+        if by_keys:
+            table[ki].append(qi)
+        else:
+            table[qi].append(ki)
+    return table
+
+
+Span = tuple[Any, int]  # (start, length) of a block on an axis; start may be traced
+
+
+class _Pass:
+    """What both passes share: the call, its loop, block length and operands."""
+
+    def __init__(
+        self, call: Call, loop: BlockLoop, ops: Operands, mods: Mods | None, size: int
+    ) -> None:
+        self.call, self.loop, self.ops, self.mods, self.size = call, loop, ops, mods, size
+        self.nq, self.nk = grid(call, size)
+        #: A padded loop's last key block holds keys past Lk: they are masked.
+        self.pad_keys = not loop.static and call.k_shape[-2] % size != 0
+        self.bands: dict[tuple[int, int, int], Any] = {}
+
+    def rows(self, qi: Any) -> Span:
+        return qi * self.size, self.loop.length(self.call.q_shape[-2], self.size, qi)
+
+    def cols(self, ki: Any) -> Span:
+        return ki * self.size, self.loop.length(self.call.k_shape[-2], self.size, ki)
+
+    def block(self, x: Any, rows: Span, cols: Span) -> Any:
+        """The ``rows x cols`` block of a broadcastable mask/bias (size-1 axes kept)."""
+        if x is None:
+            return None
+        if x.shape[-2] != 1:
+            x = self.loop.take(x, *rows, -2)
+        if x.shape[-1] != 1:
+            x = self.loop.take(x, *cols, -1)
+        return x
+
+    def band(self, rows: Span, cols: Span) -> Any:
+        """``causal``/``window`` (and a padded loop's keys past Lk) on the block; None
+        where they keep all of it."""
+        call, xp = self.call, self.call.xp
+        if self.loop.static:
+            r, c = (rows[0], rows[0] + rows[1]), (cols[0], cols[0] + cols[1])
+            return _core.structural_mask(call, device=call.device, rows=r, cols=c)
+        i = rows[0] + xp.reshape(xp.arange(rows[1], device=call.device), (rows[1], 1))
+        j = cols[0] + xp.reshape(xp.arange(cols[1], device=call.device), (1, cols[1]))
+        band = None
+        if not _core.band_keeps_all(call):
+            left, right = _core.window_sides(call)
+            lq, lk = call.q_shape[-2], call.k_shape[-2]
+            band = _masks.band_at(xp, i, j, lq, lk, left=left, right=right, align=call.align)
+        if self.pad_keys:
+            real = j < call.k_shape[-2]
+            band = real if band is None else band & real
+        return band
+
+    def allow(self, rows: Span, cols: Span, pair: tuple[Any, Any]) -> Any:
+        """The block's mask (True = may attend): the user's ``mask``, ``causal``/``window``,
+        segment ids and ``mask_mod`` together; None where nothing masks. A block plan's
+        full blocks skip the ``mask_mod``; on a static loop the band of a block is made
+        once per offset and shape (it depends on nothing else)."""
+        call, loop, mods = self.call, self.loop, self.mods
+        user = self.block(self.ops.mask, rows, cols)
+        if loop.static and user is None:
+            key = (rows[0] - cols[0], rows[1], cols[1])
+            if key not in self.bands:
+                self.bands[key] = self.band(rows, cols)
+            allow = self.bands[key]
+        else:
+            band = self.band(rows, cols)
+            allow = user if band is None else (band if user is None else user & band)
+        if mods is None or (mods.q_ids is None and mods.mask_mod is None):
+            return allow
+        if (
+            loop.static
+            and mods.mask_mod is not None
+            and call.blocks is not None
+            and pair in call.blocks.full
+        ):
+            mods = Mods(mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos, None, None)
+        layout = (*self.ops.q.shape[:-2], rows[1], cols[1])
+
+        def cut(x: Any, where: Span) -> Any:
+            return loop.take(x, *where, -1)
+
+        extra = _mods.block_mask(call, mods, rows, cols, layout, slice_ids=cut)
+        if extra is None:
+            return allow
+        return extra if allow is None else allow & extra
+
+    def like(self, *more: Any) -> tuple[Any, ...]:
+        """The arrays a loop's carry is computed from (JAX types its carries by them)."""
+        ops, mods = self.ops, self.mods
+        ids = () if mods is None else (mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos)
+        found = (ops.q, ops.k, ops.v, ops.mask, ops.bias, *ids, *more)
+        return tuple(x for x in found if x is not None)
+
+
+def _prepared(
+    call: Call, loop: BlockLoop, q: Any, k: Any, v: Any, mask: Any, bias: Any, mods: Mods | None
+) -> _Pass:
+    """The operands (and segment ids) of a pass, padded to whole blocks on a padded
+    loop: padded keys are masked (:meth:`_Pass.band`), padded query rows dropped."""
+    size = block_size(call, loop)
+    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
+    nq, nk = grid(call, size)
+    lqp, lkp = nq * size, nk * size
+
+    def scores_operand(x: Any, value: float | bool) -> Any:
+        if x is None:
+            return None
+        if x.shape[-2] != 1:
+            x = loop.pad(x, lqp, -2, value)
+        if x.shape[-1] != 1:
+            x = loop.pad(x, lkp, -1, value)
+        return x
+
+    ops = Operands(
+        q=loop.pad(ops.q, lqp, -2, 0.0),
+        k=loop.pad(ops.k, lkp, -2, 0.0),
+        v=loop.pad(ops.v, lkp, -2, 0.0),
+        mask=scores_operand(ops.mask, False),
+        bias=scores_operand(ops.bias, 0.0),
+    )
+    if mods is not None and mods.q_ids is not None:
+
+        def ids(x: Any, length: int) -> Any:
+            return None if x is None else loop.pad(x, length, -1, 0)
+
+        mods = Mods(
+            ids(mods.q_ids, lqp),
+            ids(mods.kv_ids, lkp),
+            ids(mods.q_pos, lqp),
+            ids(mods.kv_pos, lkp),
+            mods.score_mod,
+            mods.mask_mod,
+        )
+    return _Pass(call, loop, ops, mods, size)
 
 
 def masked_out(call: Call, allow: Any, concrete: Concrete | None, mods: Mods | None) -> bool:
@@ -151,18 +286,18 @@ def masked_out(call: Call, allow: Any, concrete: Concrete | None, mods: Mods | N
     return concrete(call.xp.any(allow)) is False
 
 
-def _by_first(todo: list[tuple[int, int]]) -> dict[int, list[int]]:
-    """``{a: [b, ...]}`` of the pairs ``(a, b)``, in their order: each block's partners
-    in one pass (scanning the list per block was ``O(blocks * pairs)`` Python steps)."""
-    grouped: dict[int, list[int]] = {}
-    for a, b in todo:
-        grouped.setdefault(a, []).append(b)
-    return grouped
-
-
 def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:
     """The number of block ``(qi, ki)`` that dropout's keep masks are drawn for."""
     return qi * n_key_blocks + ki
+
+
+def _trimmed(x: Any, length: int, axis: int) -> Any:
+    """``x`` cut to ``length`` along ``axis`` (a padded loop's rows past it dropped)."""
+    if x.shape[axis] == length:
+        return x
+    index = [slice(None)] * x.ndim
+    index[x.ndim + axis] = slice(0, length)
+    return x[tuple(index)]
 
 
 def forward(
@@ -179,6 +314,7 @@ def forward(
     concrete: Concrete | None = None,
     query_blocks: tuple[int, int] | None = None,
     math: BlockMath | None = None,
+    loop: BlockLoop | None = None,
 ) -> tuple[Any, Any]:
     """Online-softmax attention over the blocks of :func:`pairs`; returns ``(out, lse)``.
 
@@ -187,41 +323,43 @@ def forward(
     ``mods``: segment ids and score/mask mods; with ``concrete`` (eager frameworks),
     blocks that they mask entirely are skipped. ``query_blocks=(start, stop)``: only the
     rows of those query blocks (their ``out`` and ``lse``). ``math``: the blocks'
-    elementwise steps (:func:`block_math`).
+    elementwise steps (:func:`block_math`); ``loop``: how the blocks are walked
+    (:class:`~portable_attention._block_loop.BlockLoop`).
     """
     if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
         out, _, lse = _core._empty_keys(call, q, k, v)
         return out, lse
-    xp, ct, dev = call.xp, call.compute_dtype, call.device
+    xp, ct = call.xp, call.compute_dtype
+    loop = BlockLoop(xp, call.device) if loop is None else loop
     math = block_math(call, math)
-    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    size = block_size(call)
-    nk = grid(call, size)[1]
-    keys_of = _by_first(pairs(call, size))  # query block -> its key blocks, in order
+    run = _prepared(call, loop, q, k, v, mask, bias, mods)
+    ops, mods = run.ops, run.mods
+    keys_of = _partners(pairs(call, run.size), run.nq, by_keys=False)
     bounded = bounded_scores(call)
-    bands: dict[tuple[int, int, int], Any] = {}
+    like = run.like()
+
     # (Not the row sums as a column of ones in v: on torch's CPU kernels, accumulating
     # e @ [v, 1] into [8, 256, 65] took 410 us against 205 us for e @ v and 19 for a sum.)
-    out_blocks, lse_blocks = [], []
-    first, stop = query_blocks if query_blocks is not None else (0, grid(call, size)[0])
-    for qi in range(first, stop):
-        rows = span(lq, size, qi)
-        lead = (*ops.q.shape[:-2], rows[1] - rows[0])
-        m = xp.full((*lead, 1), -xp.inf, dtype=ct, device=dev)
-        total = xp.zeros((*lead, 1), dtype=ct, device=dev)
-        acc = xp.zeros((*lead, call.v_shape[-1]), dtype=ct, device=dev)
-        for ki in keys_of.get(qi, ()):
-            cols = span(lk, size, ki)
-            allow = block_allow(call, ops, mods, rows, cols, (qi, ki), bands)
-            if masked_out(call, allow, concrete, mods):
-                continue
-            qb = ops.q[..., rows[0] : rows[1], :]
-            kb = ops.k[..., cols[0] : cols[1], :]
+    def query_block(carry: Any, qi: Any) -> tuple[Any, tuple[Any, Any]]:
+        rows = run.rows(qi)
+        lead = (*ops.q.shape[:-2], rows[1])
+        init = (
+            loop.full((*lead, 1), ct, -math_inf, like),
+            loop.full((*lead, 1), ct, 0.0, like),
+            loop.full((*lead, call.v_shape[-1]), ct, 0.0, like),
+        )
+        qb = loop.take(ops.q, *rows, -2)
+
+        def step(state: Any, ki: Any) -> Any:
+            m, total, acc = state
+            cols = run.cols(ki)
+            allow = run.allow(rows, cols, (qi, ki))
+            if loop.static and masked_out(call, allow, concrete, mods):
+                return state
+            kb = loop.take(ops.k, *cols, -2)
             s, _ = block_scores(
-                call, ops, qb, kb, rows, cols, scores, allow=allow, mods=mods, math=math,
-                zero_after=bounded,
-            )  # fmt: skip
+                run, qb, kb, rows, cols, scores, allow=allow, math=math, zero_after=bounded
+            )
             if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
                 e = math.exp(s)
                 if allow is not None:
@@ -236,18 +374,26 @@ def forward(
                 acc = math.mul(acc, rescale)
                 m = m_new
             if keep is not None:
-                kept = keep(block_number(qi, ki, nk), tuple(e.shape))
+                kept = keep(block_number(qi, ki, run.nk), tuple(e.shape))
                 e = _core.apply_keep(xp, e, kept, call.dropout)
-            acc = math.matmul_add(acc, e, ops.v[..., cols[0] : cols[1], :])
+            acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2))
+            return m, total, acc
+
+        m, total, acc = loop.inner(step, init, keys_of, qi)
         shift = None if bounded else xp.where(xp.isfinite(m), m, 0.0)
         total_safe, block_lse = _core.finish_rows(xp, total, shift)
-        out_blocks.append(acc / total_safe)
-        lse_blocks.append(block_lse[..., 0])
-    out = out_blocks[0] if len(out_blocks) == 1 else xp.concat(out_blocks, axis=-2)
-    lse = lse_blocks[0] if len(lse_blocks) == 1 else xp.concat(lse_blocks, axis=-1)
+        return carry, (acc / total_safe, block_lse[..., 0])
+
+    first, stop = query_blocks if query_blocks is not None else (0, run.nq)
+    _, (out, lse) = loop.outer(query_block, (), range(first, stop), (-2, -1))
+    length = min(stop * run.size, call.q_shape[-2]) - first * run.size
+    out, lse = _trimmed(out, length, -2), _trimmed(lse, length, -1)
     if query_blocks is not None:
-        return _core._finish(call, out, lse, out.shape[-2])
+        return _core._finish(call, out, lse, length)
     return _core._finish(call, out, lse)
+
+
+math_inf = math.inf
 
 
 def bounded_scores(call: Call) -> bool:
@@ -280,29 +426,29 @@ def block_math(call: Call, math: BlockMath | None) -> BlockMath:
 
 
 def block_scores(
-    call: Call,
-    ops: Any,
+    run: _Pass,
     qb: Any,
     kb: Any,
-    rows: tuple[int, int],
-    cols: tuple[int, int],
+    rows: Span,
+    cols: Span,
     scores: Scores | None,
     *,
     allow: Any,
-    mods: Mods | None = None,
     math: BlockMath,
     need_t: bool = False,
     zero_after: bool = False,
+    score_fn: Callable[[Any, Span, Span], Any] | None = None,
 ) -> tuple[Any, Any]:
     """``(s, t)`` of one block: the scores after softcap, bias, ``score_mod`` and the
-    block's mask ``allow`` (:func:`block_allow`; ``-inf`` where masked), and, where
-    ``need_t``, ``t = tanh(q k^T * scale / softcap)`` (None without softcap), from operands
-    whose q carries :func:`q_factor`.
+    block's mask ``allow`` (``-inf`` where masked), and, where ``need_t``, ``t = tanh(q
+    k^T * scale / softcap)`` (None without softcap), from operands whose q carries
+    :func:`q_factor`. ``score_fn(s, rows, cols)`` applies the ``score_mod`` (the
+    backward's records its vector-Jacobian product).
 
     ``zero_after``: leave the mask out; the caller zeroes the masked probabilities after
     ``exp`` instead (where the scores are bounded, :func:`bounded_scores`): ``exp(-inf)``
     takes about 5x the time of ``exp`` of a finite number on torch's CPU kernels."""
-    xp = call.xp
+    call, xp, mods = run.call, run.call.xp, run.mods
     if scores is not None:
         s = scores(qb, kb)
     else:
@@ -314,11 +460,12 @@ def block_scores(
             s = math.scaled_copy(t, call.softcap)
         else:
             s = math.scaled(math.tanh(s), call.softcap)
-    if ops.bias is not None:
-        s = math.add(s, block_of(ops.bias, rows, cols))
-    if mods is not None and mods.score_mod is not None:
-        spans = ((rows[0], rows[1] - rows[0]), (cols[0], cols[1] - cols[0]))
-        s = _mods.apply_score_mod(call, mods, s, *spans)
+    if run.ops.bias is not None:
+        s = math.add(s, run.block(run.ops.bias, rows, cols))
+    if score_fn is not None:
+        s = score_fn(s, rows, cols)
+    elif mods is not None and mods.score_mod is not None:
+        s = _mods.apply_score_mod(call, mods, s, rows, cols)
     if allow is not None and not zero_after:
         s = math.masked(s, allow)
     return s, t
@@ -378,55 +525,89 @@ def backward(
     concrete: Concrete | None = None,
     sinks: Any = None,
     math: BlockMath | None = None,
+    loop: BlockLoop | None = None,
 ) -> Grads:
     """FlashAttention-2's backward over the blocks of :func:`pairs` (see the module).
 
     ``out`` and ``lse`` are the forward's (or, for a shard of K/V, those of the whole
     call); ``dlse`` the loss's gradient with respect to ``lse`` where it uses it. ``keep``
     must draw the forward's masks. ``want_dbias=False`` skips ``dbias`` (None then).
-    ``mods``: segment ids and a ``mask_mod`` (a ``score_mod`` needs autodiff: torch and
-    JAX differentiate it on their own paths). ``sinks``: with the ``lse`` that includes
-    them, every block's ``exp(s - lse)`` is already the probability with the sink in the
-    denominator; ``dsinks`` comes from the rows' ``delta`` (:func:`_core.sinks_grad`).
-    ``math``: the blocks' elementwise steps (:func:`block_math`). Returns :class:`Grads`
-    in the inputs' dtypes and shapes.
+    ``mods``: segment ids and a ``mask_mod`` (a ``score_mod`` needs autodiff: torch
+    differentiates it on its own path, JAX through :func:`backward_and_consts`).
+    ``sinks``: with the ``lse`` that includes them, every block's ``exp(s - lse)`` is
+    already the probability with the sink in the denominator; ``dsinks`` comes from the
+    rows' ``delta`` (:func:`_core.sinks_grad`). ``math``: the blocks' elementwise steps
+    (:func:`block_math`); ``loop``: how the blocks are walked. Returns :class:`Grads` in
+    the inputs' dtypes and shapes.
     """
     assert not call.score_mod, "the array-API backward cannot differentiate a score_mod"
+    return backward_and_consts(
+        call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
+        scores=scores, mods=mods, concrete=concrete, sinks=sinks, math=math, loop=loop,
+    )[0]  # fmt: skip
+
+
+def backward_and_consts(
+    call: Call,
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    mask: Any = None,
+    bias: Any = None,
+    keep: BlockKeep | None = None,
+    *,
+    dlse: Any = None,
+    want_dbias: bool = True,
+    scores: Scores | None = None,
+    mods: Mods | None = None,
+    concrete: Concrete | None = None,
+    sinks: Any = None,
+    math: BlockMath | None = None,
+    loop: BlockLoop | None = None,
+    score_grad: ScoreGrad | None = None,
+) -> tuple[Grads, tuple[Any, ...]]:
+    """:func:`backward`, with a ``score_mod`` differentiated by ``score_grad``: returns
+    ``(grads, gradients of score_grad.consts)`` (``()`` without one)."""
     xp = call.xp
+    loop = BlockLoop(xp, call.device) if loop is None else loop
     math = block_math(call, math)
     lq, lk = call.q_shape[-2], call.k_shape[-2]
+    consts = () if score_grad is None else tuple(score_grad.consts)
     dbias_wanted = bias is not None and want_dbias
+    dsinks = None
+    if sinks is not None:
+        dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
     if lq == 0 or lk == 0:
-        dsinks = None
-        if sinks is not None:
-            dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
-        return Grads(
+        grads = Grads(
             xp.zeros_like(q),
             xp.zeros_like(k),
             xp.zeros_like(v),
             xp.zeros_like(bias) if dbias_wanted else None,
             dsinks,
         )
-    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
-    do = grouped(call, dout, last=call.v_shape[-1])
-    delta = xp.sum(do * grouped(call, out, last=call.v_shape[-1]), axis=-1)
+        return grads, tuple(xp.zeros_like(c) for c in consts)
+    run = _prepared(call, loop, q, k, v, mask, bias, mods)
+    ops, size = run.ops, run.size
+    lqp = run.nq * size
+    dv_size = call.v_shape[-1]
+    do = loop.pad(grouped(call, dout, last=dv_size), lqp, -2, 0.0)
+    delta = xp.sum(do * loop.pad(grouped(call, out, last=dv_size), lqp, -2, 0.0), axis=-1)
     if dlse is not None:  # d lse / d s = p: ds = p * (dp - (delta - dlse))
-        delta = delta - grouped(call, dlse, last=None)
-    dsinks = None
-    if sinks is not None:
-        dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
+        delta = delta - loop.pad(grouped(call, dlse, last=None), lqp, -1, 0.0)
     # Rows with no key (lse = -inf): +inf makes every p = exp(s - inf) = 0 (NaN stays NaN).
     lse_g = grouped(call, lse, last=None)
-    lse_g = xp.where(lse_g == -xp.inf, xp.inf, lse_g)
-    size = block_size(call)
-    nq, nk = grid(call, size)
-    queries_of = _by_first([(ki, qi) for qi, ki in pairs(call, size)])  # key block -> queries
+    lse_g = loop.pad(xp.where(lse_g == -xp.inf, xp.inf, lse_g), lqp, -1, math_inf)
+    queries_of = _partners(pairs(call, size), run.nk, by_keys=True)
     bias_shape = tuple(ops.bias.shape) if dbias_wanted else ()
     # One column more in a matmul instead of a pass over each block: [dout, delta] @
     # [v, -1]^T = dp - delta (not with dropout, whose mask applies to dp alone), and
-    # without softcap [q, -lse] @ [k, 1]^T = s - lse (softcap's tanh comes in between).
+    # without softcap [q, -lse] @ [k, 1]^T = s - lse (softcap's tanh, or a score_mod,
+    # comes in between).
     fold_delta = keep is None
-    fold_lse = call.softcap is None
+    fold_lse = call.softcap is None and not call.score_mod
     # With softcap bounding the scores (no bias), p = exp(s) * exp(-lse): the row factor
     # goes into dout and delta (rows with no key: exp(-inf) = 0), a pass less per block.
     bounded = bounded_scores(call)
@@ -436,96 +617,165 @@ def backward(
         delta = delta * factor
     do_aug = xp.concat([do, delta[..., None]], axis=-1) if fold_delta else do
     q_aug = xp.concat([ops.q, -lse_g[..., None]], axis=-1) if fold_lse else ops.q
-    dq_blocks: dict[int, Any] = {}
-    dk_blocks: list[Any] = []
-    dv_blocks: list[Any] = []
-    db_blocks: dict[tuple[int, int], Any] = {}
-    bands: dict[tuple[int, int, int], Any] = {}
-    for ki in range(nk):
-        cols = span(lk, size, ki)
-        kb = ops.k[..., cols[0] : cols[1], :]
-        vb = ops.v[..., cols[0] : cols[1], :]
+    ct = call.compute_dtype
+    like = run.like(do, delta, lse_g, *consts)
+    dq0 = loop.blocks(tuple(ops.q.shape), ct, like)
+    db0 = loop.blocks(bias_shape, ct, like) if dbias_wanted else None
+    dc0 = tuple(loop.full(tuple(c.shape), c.dtype, 0.0, like) for c in consts)
+
+    def key_block(carry: Any, ki: Any) -> tuple[Any, tuple[Any, Any]]:
+        cols = run.cols(ki)
+        kb = loop.take(ops.k, *cols, -2)
+        vb = loop.take(ops.v, *cols, -2)
         column = (*kb.shape[:-1], 1)
         if fold_lse:
             kb_aug = xp.concat([kb, xp.ones(column, dtype=kb.dtype, device=call.device)], axis=-1)
         if fold_delta:
             vb_aug = xp.concat([vb, -xp.ones(column, dtype=vb.dtype, device=call.device)], axis=-1)
-        dk_b = dv_b = None
-        for qi in queries_of.get(ki, ()):
-            rows = span(lq, size, qi)
-            allow = block_allow(call, ops, mods, rows, cols, (qi, ki), bands)
-            if masked_out(call, allow, concrete, mods):
-                continue
-            qb = ops.q[..., rows[0] : rows[1], :]
-            dob = do[..., rows[0] : rows[1], :]
+        init = (
+            loop.accumulator(tuple(kb.shape), ct, like),
+            loop.accumulator(tuple(vb.shape), ct, like),
+            *carry,
+        )
+
+        def step(state: Any, qi: Any) -> Any:
+            dk_b, dv_b, dq, db_store, dconsts = state
+            rows = run.rows(qi)
+            allow = run.allow(rows, cols, (qi, ki))
+            if loop.static and masked_out(call, allow, concrete, run.mods):
+                return state
+            qb = loop.take(ops.q, *rows, -2)
+            dob = loop.take(do, *rows, -2)
+            pullback: list[Any] = []
+            score_fn = None
+            if score_grad is not None:
+
+                def score_fn(s: Any, rows: Span, cols: Span) -> Any:
+                    s_mod, pull = score_grad(s, rows, cols)
+                    pullback.append(pull)
+                    return s_mod
+
             if fold_lse:
-                qb_aug = q_aug[..., rows[0] : rows[1], :]
                 s_lse, t = block_scores(
-                    call, ops, qb_aug, kb_aug, rows, cols, scores, allow=allow, math=math
-                )
+                    run, loop.take(q_aug, *rows, -2), kb_aug, rows, cols, scores, allow=allow,
+                    math=math,
+                )  # fmt: skip
                 p = math.exp(s_lse)
             else:
                 s, t = block_scores(
-                    call, ops, qb, kb, rows, cols, scores, allow=allow, math=math, need_t=True,
-                    zero_after=bounded,
+                    run, qb, kb, rows, cols, scores, allow=allow, math=math, need_t=True,
+                    zero_after=bounded, score_fn=score_fn,
                 )  # fmt: skip
                 if bounded:
                     p = math.exp(s)
                     if allow is not None:
                         p = math.zeroed(p, allow)
                 else:
-                    p = math.exp_shifted(s, lse_g[..., rows[0] : rows[1], None])
+                    p = math.exp_shifted(s, loop.take(lse_g, *rows, -1)[..., None])
             p_used = p
             if keep is None:  # fold_delta (no buffer where dbias may keep ds, made from it)
                 dp_delta = math.product(
-                    do_aug[..., rows[0] : rows[1], :],
+                    loop.take(do_aug, *rows, -2),
                     xp.matrix_transpose(vb_aug),
-                    slot=None if dbias_wanted else "dp",
+                    slot=None if dbias_wanted or pullback else "dp",
                 )
             else:
                 dp = xp.matmul(dob, xp.matrix_transpose(vb))
-                kept = keep(block_number(qi, ki, nk), tuple(p.shape))
+                kept = keep(block_number(qi, ki, run.nk), tuple(p.shape))
                 p_used = _core.apply_keep(xp, p, kept, call.dropout)
                 dp_delta = (
                     _core.apply_keep(xp, dp, kept, call.dropout)
-                    - delta[..., rows[0] : rows[1], None]
+                    - loop.take(delta, *rows, -1)[..., None]
                 )
             dv_b = _add_product(call, math, dv_b, xp.matrix_transpose(p_used), dob)
             ds = math.mul(dp_delta, p)
+            if pullback:  # d score_mod: back to the scores before it, and to its consts
+                ds, *dcs = pullback[0](ds)
+                dconsts = tuple(a + b for a, b in zip(dconsts, dcs, strict=True))
             if dbias_wanted:
-                key = (qi if bias_shape[-2] != 1 else 0, ki if bias_shape[-1] != 1 else 0)
-                target = (
-                    *bias_shape[:-2],
-                    rows[1] - rows[0] if bias_shape[-2] != 1 else 1,
-                    cols[1] - cols[0] if bias_shape[-1] != 1 else 1,
-                )
+                key, starts, sizes, axes = _bias_block(bias_shape, (qi, ki), rows, cols)
+                target = (*bias_shape[:-2], *sizes_of(bias_shape, rows, cols))
                 db = _reduce_to(xp, ds, target)
-                db_blocks[key] = db if key not in db_blocks else db_blocks[key] + db
+
+                def add_db(old: Any, db: Any = db) -> Any:
+                    return db if old is None else old + db
+
+                db_store = loop.add_block(db_store, key, starts, sizes, axes, add_db)
             if t is not None:  # (functionally where dbias may hold ds itself)
                 ds = (BlockMath(xp) if dbias_wanted else math).softcap_grad(ds, t)
-            dq_blocks[qi] = math.matmul_add(dq_blocks.get(qi), ds, kb)
+
+            def add_dq(old: Any, ds: Any = ds) -> Any:
+                return math.matmul_add(old, ds, kb)
+
+            dq = loop.add_block(dq, (qi,), (rows[0],), (rows[1],), (-2,), add_dq)
             dk_b = _add_product(call, math, dk_b, xp.matrix_transpose(ds), qb)
-        width = cols[1] - cols[0]
-        dk_blocks.append(dk_b if dk_b is not None else _zeros(call, ops.k, width))
-        dv_blocks.append(dv_b if dv_b is not None else _zeros(call, ops.v, width))
-    dq_list = [
-        dq_blocks[qi] if qi in dq_blocks else _zeros(call, ops.q, span(lq, size, qi)[1] - qi * size)
-        for qi in range(nq)
-    ]
+            return dk_b, dv_b, dq, db_store, dconsts
+
+        dk_b, dv_b, *carry = loop.inner(step, init, queries_of, ki)
+        if dk_b is None:  # no pair touched this key block
+            dk_b = _zeros(call, ops.k, cols[1])
+            dv_b = _zeros(call, ops.v, cols[1])
+        return tuple(carry), (dk_b, dv_b)
+
+    (dq_store, db_store, dconsts), (dk, dv) = loop.outer(
+        key_block, (dq0, db0, dc0), range(run.nk), (-2, -2)
+    )
+    nq, nk = run.nq, run.nk
+
+    def dq_zeros(key: tuple[Any, ...]) -> Any:
+        return _zeros(call, ops.q, run.rows(key[0])[1])
+
+    dq = loop.assembled(dq_store, [range(nq)], (-2,), dq_zeros)
     # ds was taken with respect to s; with q times q_factor, the scores' factor comes back
     # as the scale (dq) and as softcap (dk: its q blocks carry scale / softcap).
-    dq = _concat(xp, dq_list, axis=-2) * call.scale
-    dk = _concat(xp, dk_blocks, axis=-2)
+    dq = _trimmed(dq, lq, -2) * call.scale
+    dk, dv = _trimmed(dk, lk, -2), _trimmed(dv, lk, -2)
     if call.softcap is not None:
         dk = dk * call.softcap
-    dv = _concat(xp, dv_blocks, axis=-2)
     dbias = None
     if dbias_wanted:
-        dbias = _assemble_dbias(call, db_blocks, bias_shape, size)
+
+        def db_zeros(key: tuple[Any, ...]) -> Any:
+            rows, cols = run.rows(key[0]), run.cols(key[1])
+            shape = (*bias_shape[:-2], *sizes_of(bias_shape, rows, cols))
+            return xp.zeros(shape, dtype=ct, device=call.device)
+
+        keys = [
+            range(nq) if bias_shape[-2] != 1 else range(1),
+            range(nk) if bias_shape[-1] != 1 else range(1),
+        ]
+        dbias = loop.assembled(db_store, keys, (-2, -1), db_zeros)
+        if bias_shape[-2] != 1:
+            dbias = _trimmed(dbias, lq, -2)
+        if bias_shape[-1] != 1:
+            dbias = _trimmed(dbias, lk, -1)
         dbias = xp.astype(xp.reshape(dbias, shape_of(bias)), bias.dtype, copy=False)
-    return Grads(
+    grads = Grads(
         _as_input(call, dq, q), _as_input(call, dk, k), _as_input(call, dv, v), dbias, dsinks
     )
+    return grads, tuple(dconsts)
+
+
+def sizes_of(shape: tuple[int, ...], rows: Span, cols: Span) -> tuple[int, int]:
+    """The block lengths of a bias of ``shape`` at ``rows x cols`` (1 on its size-1 axes)."""
+    return (rows[1] if shape[-2] != 1 else 1, cols[1] if shape[-1] != 1 else 1)
+
+
+def _bias_block(
+    shape: tuple[int, ...], pair: tuple[Any, Any], rows: Span, cols: Span
+) -> tuple[tuple[Any, Any], tuple[Any, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(key, starts, sizes, axes)`` of the dbias block of ``pair`` for a bias of
+    ``shape``: its size-1 axes are one block, not sliced."""
+    key = (pair[0] if shape[-2] != 1 else 0, pair[1] if shape[-1] != 1 else 0)
+    starts: list[Any] = []
+    sizes: list[int] = []
+    axes: list[int] = []
+    for axis, (start, length) in ((-2, rows), (-1, cols)):
+        if shape[axis] != 1:
+            starts.append(start)
+            sizes.append(length)
+            axes.append(axis)
+    return key, tuple(starts), tuple(sizes), tuple(axes)
 
 
 def _zeros(call: Call, like: Any, length: int) -> Any:
@@ -534,38 +784,10 @@ def _zeros(call: Call, like: Any, length: int) -> Any:
     return call.xp.zeros(shape, dtype=call.compute_dtype, device=call.device)
 
 
-def _concat(xp: Any, blocks: list[Any], *, axis: int) -> Any:
-    return blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=axis)
-
-
 def _as_input(call: Call, grad: Any, x: Any) -> Any:
     """A gradient in the shape and dtype of the input ``x`` (heads merged again)."""
     xp = call.xp
     return xp.astype(xp.reshape(grad, shape_of(x)), x.dtype, copy=False)
-
-
-def _assemble_dbias(
-    call: Call, blocks: dict[tuple[int, int], Any], shape: tuple[int, ...], size: int
-) -> Any:
-    """The bias's gradient from its blocks (zeros where no pair touched one)."""
-    xp = call.xp
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    nq = grid(call, size)[0] if shape[-2] != 1 else 1
-    nk = grid(call, size)[1] if shape[-1] != 1 else 1
-    rows_of = [span(lq, size, i) if shape[-2] != 1 else (0, 1) for i in range(nq)]
-    cols_of = [span(lk, size, j) if shape[-1] != 1 else (0, 1) for j in range(nk)]
-    row_blocks = []
-    for i, (r0, r1) in enumerate(rows_of):
-        parts = []
-        for j, (c0, c1) in enumerate(cols_of):
-            block = blocks.get((i, j))
-            if block is None:
-                block = xp.zeros(
-                    (*shape[:-2], r1 - r0, c1 - c0), dtype=call.compute_dtype, device=call.device
-                )
-            parts.append(block)
-        row_blocks.append(_concat(xp, parts, axis=-1))
-    return _concat(xp, row_blocks, axis=-2)
 
 
 def check_backward_arrays(call: Call, q: Any, *, dout: Any, out: Any, lse: Any, dlse: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import array_api_compat
 
+from portable_attention import masks as _masks
 from portable_attention._block_plan import check_mod_axes
 from portable_attention._checks import broadcasts, is_kind, shape_of, type_name
 from portable_attention._spec import Call
@@ -195,12 +196,9 @@ def block_mask(
         if mods.q_pos is not None:
             qp = xp.reshape(cut(mods.q_pos, rows), tuple(q_col.shape))
             kp = xp.reshape(cut(mods.kv_pos, cols), tuple(k_row.shape))
-            distance = kp - qp
-            left, right = call.band_sides
-            if left is not None:
-                keep = keep & (distance >= -left)
-            if right is not None:
-                keep = keep & (distance <= right)
+            band = _masks.within(kp - qp, *call.band_sides)
+            if band is not None:
+                keep = keep & band
     if mods.mask_mod is not None:
         shape = user_shape(call, rows[1], cols[1])
         got = mods.mask_mod(*indices(call, rows, cols))

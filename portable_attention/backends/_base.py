@@ -23,6 +23,9 @@ An :class:`Adapter` binds what the array API standard cannot express for one fra
   array-API forward of :mod:`portable_attention._blockwise` (no autodiff to hook).
 - ``blockwise_backward(call, ...)``: that backward (``attend_backward``); by default the
   array-API one.
+- ``block_loop(call)``: how the blockwise path walks its blocks
+  (:class:`~portable_attention._block_loop.BlockLoop`): Python loops over static
+  offsets by default; JAX's compiled loops.
 - ``block_math(xp, arrays)``: the elementwise steps of the blockwise path's inner loops
   (:class:`~portable_attention._block_math.BlockMath`); a framework that can update a
   block in place (where autodiff does not record) returns a subclass that does.
@@ -44,6 +47,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from portable_attention import _blockwise
+from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._core import KeepMask
@@ -145,6 +149,7 @@ class Adapter(ABC):
             mods=mods,
             concrete=self.concrete,
             math=self.block_math(call.xp, (q, k, v, mask, bias)),
+            loop=self.block_loop(call),
         )
 
     def blockwise_backward(
@@ -183,12 +188,19 @@ class Adapter(ABC):
             concrete=self.concrete,
             sinks=sinks,
             math=self.block_math(call.xp, (dout, q, k, v, out, lse, bias, dlse, sinks)),
+            loop=self.block_loop(call),
         )
 
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
         """The blockwise path's elementwise steps for a call on ``arrays`` (its inputs;
         None where absent): by default the functional ones of the array API."""
         return BlockMath(xp)
+
+    def block_loop(self, call: Call) -> BlockLoop:
+        """How the blockwise path walks its blocks
+        (:class:`~portable_attention._block_loop.BlockLoop`): by default Python loops over
+        static offsets."""
+        return BlockLoop(call.xp, call.device)
 
     def concrete(self, x: Any) -> bool | None:
         """A 0-d boolean array as a Python bool (a host read), or None where it cannot be

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_attention import _blockwise, _core, _mods, _spec
+from portable_attention._block_loop import BlockLoop
 from portable_attention._blockwise import Grads
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
@@ -331,124 +332,98 @@ def _unblock(x: Any, axis: int) -> Any:
 
 
 # ------------------------------------------------------------------------------------------
-# The blockwise path: one lax.scan over the static list of blocks, forward and backward.
+# The blockwise path: _blockwise's kernel with compiled loops, as a custom_vjp.
 
 
-def _pad_rows(x: Any, length: int, axis: int, value: float | bool) -> Any:
-    """``x`` padded with ``value`` to ``length`` along ``axis`` (counted from the end)."""
-    extra = length - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[x.ndim + axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
+class ScanLoop(BlockLoop):
+    """The blockwise kernel's loops compiled: the outer one a ``lax.scan`` over the query
+    (forward) or key (backward) blocks, the inner one a ``lax.fori_loop`` over a table of
+    each block's partners (its length read from the table: blocks that ``causal``/``window``
+    skip cost nothing), so the program holds one block's code whatever L is. Offsets are
+    traced: every operand is padded to whole blocks, slices are ``dynamic_slice``, and the
+    carries are typed as varying over every ``shard_map`` axis their inputs vary over."""
 
+    static = False
 
-def _carry(shape: tuple[int, ...], dtype: Any, value: float, *like: Any) -> Any:
-    """A scan carry of ``value``, typed as varying over every ``shard_map`` axis that one
-    of ``like`` varies over: under ``check_vma`` a scan's carry must keep its type, and
-    the steps make it vary as the inputs do. (A zero scalar ``zeros_like`` each input
-    carries its type and reads none of its data.)"""
-    x = jnp.full(shape, value, dtype)
-    for a in like:
-        if a is not None:
+    def budget(self, call: _spec.Call, default: int) -> int:
+        # XLA fuses each block's elementwise work, so blocks pay for themselves in steps of
+        # the scan, not in passes over memory: unmasked, [1, 8, 2048, 64] float32 took
+        # 104 ms forward and 449 ms under jit(grad) with blocks of 512, 119 and 493 ms with
+        # blocks of 256; causal, blocks of 256 or less measured fastest.
+        return 4 * default if _core.band_keeps_all(call) else default
+
+    def length(self, total: int, size: int, index: Any) -> Any:
+        return size
+
+    def pad(self, x: Any, length: int, axis: int, value: float | bool) -> Any:
+        extra = length - x.shape[axis]
+        if extra == 0:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[x.ndim + axis] = (0, extra)
+        return jnp.pad(x, widths, constant_values=value)
+
+    def outer(self, body: Any, carry: Any, indices: Any, axes: tuple[int, ...]) -> Any:
+        carry, stacked = jax.lax.scan(body, carry, jnp.asarray(list(indices), dtype=jnp.int32))
+        return carry, tuple(_unblock(x, axis - 1) for x, axis in zip(stacked, axes, strict=True))
+
+    def inner(self, step: Any, state: Any, partners: Any, index: Any) -> Any:
+        width = max(1, max(len(row) for row in partners))
+        table = np.zeros((len(partners), width), dtype=np.int32)
+        for i, row in enumerate(partners):
+            table[i, : len(row)] = row
+        counts = np.asarray([len(row) for row in partners], dtype=np.int32)
+        row = jnp.asarray(table)[index]
+        return jax.lax.fori_loop(0, jnp.asarray(counts)[index], lambda j, s: step(s, row[j]), state)
+
+    def take(self, x: Any, start: Any, size: Any, axis: int) -> Any:
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
+
+    def full(self, shape: tuple[int, ...], dtype: Any, value: float, like: Any) -> Any:
+        # Under shard_map's check_vma a loop's carry must keep its type, and the steps make
+        # it vary as the inputs do; a zero scalar zeros_like each input carries its type
+        # and reads none of its data.
+        x = jnp.full(shape, value, dtype)
+        for a in like:
             x = x + jnp.zeros_like(a, dtype=dtype, shape=())
-    return x
+        return x
+
+    def accumulator(self, shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
+        return self.full(shape, dtype, 0.0, like)
+
+    def blocks(self, shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
+        return self.full(shape, dtype, 0.0, like)
+
+    def add_block(self, store: Any, key: Any, starts: Any, sizes: Any, axes: Any, add: Any) -> Any:
+        block = store
+        for start, size, axis in zip(starts, sizes, axes, strict=True):
+            block = self.take(block, start, size, axis)
+        index: list[Any] = [jnp.int32(0)] * store.ndim
+        for start, axis in zip(starts, axes, strict=True):
+            index[store.ndim + axis] = jnp.asarray(start, dtype=jnp.int32)
+        return jax.lax.dynamic_update_slice(store, add(block), index)
+
+    def assembled(self, store: Any, keys: Any, axes: Any, zeros: Any) -> Any:
+        return store
 
 
-def _slice(x: Any, start: Any, size: int, axis: int) -> Any:
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
-
-
-def _add_at(x: Any, update: Any, start: Any, axis: int) -> Any:
-    """``x`` with ``update`` added to its rows ``start:start+len`` along ``axis``."""
-    size = update.shape[axis]
-    return jax.lax.dynamic_update_slice_in_dim(
-        x, _slice(x, start, size, axis) + update, start, axis=x.ndim + axis
-    )
+_LOOP = ScanLoop(jnp)
 
 
 @dataclass(frozen=True)
-class _Grid:
-    """The padded block grid of a call: ``size``-row blocks, ``nq x nk`` of them."""
+class _ScoreGrad:
+    """A ``score_mod`` closure-converted (``jax.closure_convert``) into ``score(s, b, h,
+    q_idx, kv_idx, *consts)``, so the arrays it captures are explicit inputs of the
+    ``custom_vjp`` and get their gradients (``_blockwise.ScoreGrad``)."""
 
     call: _spec.Call
-    size: int
-
-    @property
-    def lq(self) -> int:
-        return self.call.q_shape[-2]
-
-    @property
-    def lk(self) -> int:
-        return self.call.k_shape[-2]
-
-    @property
-    def nq(self) -> int:
-        return _blockwise.grid(self.call, self.size)[0]
-
-    @property
-    def nk(self) -> int:
-        return _blockwise.grid(self.call, self.size)[1]
-
-    def pairs(self, *, by_keys: bool) -> Any:
-        """The blocks to compute as an int32 ``[n, 2]`` array of ``(qi, ki)``."""
-        todo = _blockwise.pairs(self.call, self.size)
-        if by_keys:
-            todo = sorted(todo, key=lambda pair: (pair[1], pair[0]))
-        return np.asarray(todo, dtype=np.int32).reshape(len(todo), 2)
-
-
-def _padded_operands(g: _Grid, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
-    """``_core.operands`` padded to whole blocks: padded keys are masked below, padded
-    query rows dropped at the end. A mask/bias axis of length 1 is left to broadcast."""
-    ops = _core.operands(g.call, q, k, v, mask, bias, q_factor=_blockwise.q_factor(g.call))
-    lqp, lkp = g.nq * g.size, g.nk * g.size
-
-    def scores_operand(x: Any, value: float | bool) -> Any:
-        if x is None:
-            return None
-        if x.shape[-2] != 1:
-            x = _pad_rows(x, lqp, -2, value)
-        if x.shape[-1] != 1:
-            x = _pad_rows(x, lkp, -1, value)
-        return x
-
-    return _core.Operands(
-        q=_pad_rows(ops.q, lqp, -2, 0.0),
-        k=_pad_rows(ops.k, lkp, -2, 0.0),
-        v=_pad_rows(ops.v, lkp, -2, 0.0),
-        mask=scores_operand(ops.mask, False),
-        bias=scores_operand(ops.bias, 0.0),
-    )
-
-
-def _operand_block(x: Any, r0: Any, c0: Any, size: int) -> Any:
-    """The block at ``(r0, c0)`` of a padded mask/bias (axes of length 1 kept)."""
-    if x is None:
-        return None
-    if x.shape[-2] != 1:
-        x = _slice(x, r0, size, -2)
-    if x.shape[-1] != 1:
-        x = _slice(x, c0, size, -1)
-    return x
-
-
-@dataclass(frozen=True)
-class _ScanMods:
-    """A call's segment ids and mods as the scans take them: the ids (and positions)
-    padded to whole blocks, and the ``score_mod`` closure-converted (``jax.closure_convert``)
-    into ``score(s, b, h, q_idx, kv_idx, *consts)``, so that the arrays it captures are
-    explicit inputs of the ``custom_vjp`` and get their gradients."""
-
     mods: _mods.Mods
-    score: Any = None
+    score: Any
+    consts: tuple[Any, ...]
 
-    def with_consts(self, consts: Any) -> _mods.Mods:
+    def modded(self) -> _mods.Mods:
         """The mods whose score_mod applies ``score`` with ``consts``."""
-        if self.score is None:
-            return self.mods
-        score = self.score
+        score, consts = self.score, self.consts
 
         def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return score(s, b, h, q_idx, kv_idx, *consts)
@@ -456,321 +431,54 @@ class _ScanMods:
         m = self.mods
         return _mods.Mods(m.q_ids, m.kv_ids, m.q_pos, m.kv_pos, score_mod, m.mask_mod)
 
+    def __call__(self, s: Any, rows: Any, cols: Any) -> Any:
+        def modded(s_: Any, *c: Any) -> Any:
+            mods = _ScoreGrad(self.call, self.mods, self.score, tuple(c)).modded()
+            return _mods.apply_score_mod(self.call, mods, s_, rows, cols)
 
-def _slice_ids(x: Any, span: tuple[Any, int]) -> Any:
-    return _slice(x, span[0], span[1], -1)
-
-
-def _block_scores(
-    g: _Grid,
-    ops: Any,
-    qi: Any,
-    ki: Any,
-    mods: _mods.Mods | None = None,
-    score_fn: Any = None,
-) -> tuple[Any, Any, Any, Any]:
-    """``(s, tanh or None, k block, v block)`` of block ``(qi, ki)``: the masked scores
-    (``causal``/``window`` and padded keys from the block's traced offsets; segment ids
-    and ``mask_mod`` from ``mods``). ``score_fn(s, r0, c0)`` applies a score_mod (the
-    backward passes one that records its vjp)."""
-    call, size = g.call, g.size
-    r0, c0 = qi * size, ki * size
-    qb = _slice(ops.q, r0, size, -2)
-    kb = _slice(ops.k, c0, size, -2)
-    vb = _slice(ops.v, c0, size, -2)
-    s = _scores(qb, kb)
-    t = None
-    if call.softcap is not None:  # q carries scale / softcap
-        t = jnp.tanh(s)
-        s = call.softcap * t
-    if ops.bias is not None:
-        s = s + _operand_block(ops.bias, r0, c0, size)
-    if score_fn is not None:
-        s = score_fn(s, r0, c0)
-    allow = _operand_block(ops.mask, r0, c0, size)
-    if mods is not None:
-        spans = ((r0, size), (c0, size))
-        extra = _mods.block_mask(call, mods, *spans, tuple(s.shape), slice_ids=_slice_ids)
-        if extra is not None:
-            allow = extra if allow is None else allow & extra
-    rows = r0 + jnp.arange(size)[:, None]
-    cols = c0 + jnp.arange(size)[None, :]
-    band = None
-    if not _core.band_keeps_all(call):
-        left, right = _core.window_sides(call)
-        offset = g.lk - g.lq if call.align == "lower_right" else 0
-        distance = cols - (rows + offset)
-        if left is not None:
-            band = distance >= -min(left, g.lq + g.lk)
-        if right is not None:
-            upper = distance <= min(right, g.lq + g.lk)
-            band = upper if band is None else band & upper
-    if g.lk % size:
-        real = cols < g.lk
-        band = real if band is None else band & real
-    if band is not None:
-        allow = band if allow is None else allow & band
-    if allow is not None:
-        s = jnp.where(allow, s, -jnp.inf)
-    return s, t, kb, vb
+        s_mod, pull = jax.vjp(modded, s, *self.consts)
+        return s_mod, pull
 
 
-def _score_fn(g: _Grid, mods: _mods.Mods | None) -> Any:
-    """``score_fn(s, r0, c0)`` of :func:`_block_scores` for ``mods``' score_mod, or None."""
-    if mods is None or mods.score_mod is None:
-        return None
-
-    def score_fn(s: Any, r0: Any, c0: Any) -> Any:
-        return _mods.apply_score_mod(g.call, mods, s, (r0, g.size), (c0, g.size))
-
-    return score_fn
+def _keyed(call: _spec.Call, key: Any) -> KeyedKeep | None:
+    return None if key is None else KeyedKeep(key, call.dropout)
 
 
-def _padded_mods(g: _Grid, mods: _mods.Mods | None) -> _mods.Mods | None:
-    """``mods`` with ids and positions padded to whole blocks (padded keys are masked,
-    padded rows dropped: the padding's value does not matter)."""
-    if mods is None or mods.q_ids is None:
-        return mods
-    lqp, lkp = g.nq * g.size, g.nk * g.size
-
-    def pad(x: Any, length: int) -> Any:
-        return None if x is None else _pad_rows(x, length, -1, 0)
-
-    return _mods.Mods(
-        pad(mods.q_ids, lqp),
-        pad(mods.kv_ids, lkp),
-        pad(mods.q_pos, lqp),
-        pad(mods.kv_pos, lkp),
-        mods.score_mod,
-        mods.mask_mod,
+def _forward(
+    call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any, mods: Any = None
+) -> Any:
+    return _blockwise.forward(
+        call, q, k, v, mask, bias, _keyed(call, key), scores=_scores, mods=mods, loop=_LOOP
     )
 
 
-def _scan_forward(
-    g: _Grid,
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
-    key: Any,
-    mods: _mods.Mods | None = None,
-) -> tuple[Any, Any]:
-    """``(out, lse)`` of the blockwise forward: one scan over the blocks, the running max,
-    sum and output of every query row in the carry."""
-    call = g.call
-    if g.lq == 0 or g.lk == 0:
-        out, _, lse = _core._empty_keys(call, q, k, v)
-        return out, lse
-    ops = _padded_operands(g, q, k, v, mask, bias)
-    mods = _padded_mods(g, mods)
-    score_fn = _score_fn(g, mods)
-    ct = call.compute_dtype
-    lead = ops.q.shape[:-1]
-    inputs = (ops.q, ops.k, ops.v, ops.mask, ops.bias)
-    init = (
-        _carry((*lead, call.v_shape[-1]), ct, 0.0, *inputs),
-        _carry((*lead, 1), ct, -jnp.inf, *inputs),
-        _carry((*lead, 1), ct, 0.0, *inputs),
-    )
-
-    def step(carry: Any, pair: Any) -> Any:
-        acc, m, total = carry
-        qi, ki = pair[0], pair[1]
-        r0 = qi * g.size
-        s, _, _, vb = _block_scores(g, ops, qi, ki, mods, score_fn)
-        m_old = _slice(m, r0, g.size, -2)
-        m_new = jnp.maximum(m_old, jnp.max(s, axis=-1, keepdims=True))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        e = jnp.exp(s - m_safe)
-        rescale = jnp.exp(m_old - m_safe)
-        t_old = _slice(total, r0, g.size, -2)
-        t_new = rescale * t_old + jnp.sum(e, axis=-1, keepdims=True)
-        if key is not None:
-            kept = _block_mask(key, call.dropout, _blockwise.block_number(qi, ki, g.nk), e.shape)
-            e = _core.apply_keep(jnp, e, kept, call.dropout)
-        a_new = rescale * _slice(acc, r0, g.size, -2) + jnp.einsum("...qk,...kd->...qd", e, vb)
-        update = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=r0)
-        return (
-            update(acc, a_new, axis=acc.ndim - 2),
-            update(m, m_new, axis=m.ndim - 2),
-            update(total, t_new, axis=total.ndim - 2),
-        ), None
-
-    (acc, m, total), _ = jax.lax.scan(step, init, g.pairs(by_keys=False))
-    acc, m, total = acc[..., : g.lq, :], m[..., : g.lq, :], total[..., : g.lq, :]
-    total_safe, lse = _core.finish_rows(jnp, total, jnp.where(jnp.isfinite(m), m, 0.0))
-    return _core._finish(call, acc / total_safe, lse[..., 0])
-
-
-def _scan_backward(
-    g: _Grid,
-    dout: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
-    mask: Any,
-    bias: Any,
-    key: Any,
-    dlse: Any,
-    scan: _ScanMods | None = None,
-    consts: tuple[Any, ...] = (),
-) -> tuple[Grads, tuple[Any, ...]]:
-    """The blockwise backward: one scan over the blocks (key block by key block), dq, dk,
-    dv (and dbias, and the gradients of a score_mod's ``consts``) in the carry. Returns
-    ``(grads, dconsts)``."""
-    call = g.call
-    if g.lq == 0 or g.lk == 0:
-        dbias0 = None if bias is None else jnp.zeros_like(bias)
-        zeros = tuple(jnp.zeros_like(c) for c in consts)
-        return Grads(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dbias0), zeros
-    ops = _padded_operands(g, q, k, v, mask, bias)
-    mods = _padded_mods(g, scan.mods) if scan is not None else None
-    converted = scan.score if scan is not None else None
-    lqp = g.nq * g.size
-    dv_size = call.v_shape[-1]
-    do = _pad_rows(_blockwise.grouped(call, dout, last=dv_size), lqp, -2, 0.0)
-    delta = jnp.sum(do * _pad_rows(_blockwise.grouped(call, out, last=dv_size), lqp, -2, 0.0), -1)
-    if dlse is not None:
-        delta = delta - _pad_rows(_blockwise.grouped(call, dlse, last=None), lqp, -1, 0.0)
-    lse_g = _blockwise.grouped(call, lse, last=None)
-    lse_g = _pad_rows(jnp.where(lse_g == -jnp.inf, jnp.inf, lse_g), lqp, -1, jnp.inf)
-    ct = call.compute_dtype
-    inputs = (ops.q, ops.k, ops.v, ops.mask, ops.bias, do, delta, lse_g)
-    init = [_carry(x.shape, ct, 0.0, *inputs) for x in (ops.q, ops.k, ops.v)]
-    if ops.bias is not None:
-        init.append(_carry(ops.bias.shape, ct, 0.0, *inputs))
-    first_const = len(init)
-    init.extend(_carry(c.shape, c.dtype, 0.0, *inputs, c) for c in consts)
-    grouped = call.grouped
-
-    def kv_grad(x: Any, y: Any) -> Any:
-        """``x^T @ y`` summed over the query heads of each K/V head (``[..., Hk, 1, k, d]``)."""
-        if not grouped:
-            return jnp.einsum("...qk,...qd->...kd", x, y)
-        return jnp.einsum("...gqk,...gqd->...kd", x, y)[..., None, :, :]
-
-    def step(carry: Any, pair: Any) -> Any:
-        qi, ki = pair[0], pair[1]
-        r0, c0 = qi * g.size, ki * g.size
-        pullback: list[Any] = []
-        score_fn = None
-        if converted is not None:
-
-            def score_fn(s_pre: Any, r0: Any, c0: Any) -> Any:
-                def modded(s_: Any, *c: Any) -> Any:
-                    base = mods if mods is not None else _mods.Mods()
-                    fn = _score_fn(g, _ScanMods(base, converted).with_consts(c))
-                    return fn(s_, r0, c0)
-
-                s_mod, pull = jax.vjp(modded, s_pre, *consts)
-                pullback.append(pull)
-                return s_mod
-
-        s, t, kb, vb = _block_scores(g, ops, qi, ki, mods, score_fn)
-        qb = _slice(ops.q, r0, g.size, -2)
-        dob = _slice(do, r0, g.size, -2)
-        p = jnp.exp(s - _slice(lse_g, r0, g.size, -1)[..., None])
-        dp = jnp.einsum("...qd,...kd->...qk", dob, vb)
-        p_used = p
-        if key is not None:
-            kept = _block_mask(key, call.dropout, _blockwise.block_number(qi, ki, g.nk), p.shape)
-            p_used = _core.apply_keep(jnp, p, kept, call.dropout)
-            dp = _core.apply_keep(jnp, dp, kept, call.dropout)
-        ds = p * (dp - _slice(delta, r0, g.size, -1)[..., None])
-        new = list(carry)
-        if pullback:  # d score_mod: back to the scores before it, and to its consts
-            ds, *dconsts = pullback[0](ds)
-            for i, dc in enumerate(dconsts):
-                new[first_const + i] = new[first_const + i] + dc
-        if ops.bias is not None:
-            shape = ops.bias.shape
-            target = (
-                *shape[:-2],
-                g.size if shape[-2] != 1 else 1,
-                g.size if shape[-1] != 1 else 1,
-            )
-            db = _blockwise._reduce_to(jnp, ds, target)
-            dbias = new[3]
-            if shape[-2] != 1:
-                dbias = jax.lax.dynamic_update_slice_in_dim(
-                    dbias,
-                    _add_at(_slice(dbias, r0, g.size, -2), db, c0, -1)
-                    if shape[-1] != 1
-                    else _slice(dbias, r0, g.size, -2) + db,
-                    r0,
-                    axis=dbias.ndim - 2,
-                )
-            elif shape[-1] != 1:
-                dbias = _add_at(dbias, db, c0, -1)
-            else:
-                dbias = dbias + db
-            new[3] = dbias
-        if t is not None:
-            ds = ds * (1.0 - t * t)
-        new[0] = _add_at(new[0], jnp.einsum("...qk,...kd->...qd", ds, kb), r0, -2)
-        new[1] = _add_at(new[1], kv_grad(ds, qb), c0, -2)
-        new[2] = _add_at(new[2], kv_grad(p_used, dob), c0, -2)
-        return tuple(new), None
-
-    carry, _ = jax.lax.scan(step, tuple(init), g.pairs(by_keys=True))
-    dq = carry[0][..., : g.lq, :] * call.scale  # as in _blockwise.backward
-    dk, dv = carry[1][..., : g.lk, :], carry[2][..., : g.lk, :]
-    if call.softcap is not None:
-        dk = dk * call.softcap
-    dbias = None
-    if bias is not None:
-        dbias = carry[3]
-        if dbias.shape[-2] != 1:
-            dbias = dbias[..., : g.lq, :]
-        if dbias.shape[-1] != 1:
-            dbias = dbias[..., : g.lk]
-        dbias = jnp.reshape(dbias, bias.shape).astype(bias.dtype)
-    dq, dk, dv = (jnp.reshape(d, x.shape).astype(x.dtype) for d, x in ((dq, q), (dk, k), (dv, v)))
-    return Grads(dq, dk, dv, dbias), tuple(carry[first_const:])
-
-
-def _block_size(call: _spec.Call) -> int:
-    """The scan's block length: ``chunk_size``, else the core's (1M scores per block over
-    batch and heads), 4x that where ``causal``/``window`` skip nothing. XLA fuses each
-    block's elementwise work, so the blocks pay for themselves in steps of the scan, not in
-    passes over memory: unmasked, ``[1, 8, 2048, 64]`` float32 took 104 ms forward and
-    449 ms under ``jit(grad)`` with blocks of 512, 119 and 493 ms with blocks of 256
-    (native:jax: 112 and 684 ms); causal, blocks of 256 or less measured fastest."""
-    if call.blocks is not None:  # its pairs are blocks of its size
-        return int(call.blocks.block_size)
-    if call.chunk_size is not None:
-        size = call.chunk_size
-    elif _core.band_keeps_all(call):
-        size = _core.auto_chunk(call, 4 * _core.CHUNK_BUDGET)
-    else:
-        size = _core.auto_chunk(call)
-    # Never longer than the call needs: every call is padded to whole blocks (a ring
-    # step's 8 x 8 block padded to 1024 x 1024 took 0.8 s).
-    longest = max(call.q_shape[-2], call.k_shape[-2], 1)
-    return min(size, max(16, 1 << (longest - 1).bit_length()))
+def _backward(
+    call: _spec.Call, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any,
+    bias: Any, key: Any, dlse: Any, mods: Any = None, score_grad: Any = None,
+) -> tuple[Grads, tuple[Any, ...]]:  # fmt: skip
+    return _blockwise.backward_and_consts(
+        call, dout, q, k, v, out, lse, mask, bias, _keyed(call, key), dlse=dlse,
+        scores=_scores, mods=mods, loop=_LOOP, score_grad=score_grad,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
 def _blockwise_fn(call: _spec.Call) -> Any:
     """The blockwise path of a call as a jitted ``custom_vjp`` of
     ``(q, k, v, mask, bias, key) -> (out, lse)`` (cached: a Call is hashable)."""
-    g = _Grid(call, _block_size(call))
 
     @jax.custom_vjp
     def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any) -> Any:
-        return _scan_forward(g, q, k, v, mask, bias, key)
+        return _forward(call, q, k, v, mask, bias, key)
 
     def fwd(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any) -> Any:
-        out, lse = _scan_forward(g, q, k, v, mask, bias, key)
+        out, lse = _forward(call, q, k, v, mask, bias, key)
         return (out, lse), (q, k, v, mask, bias, key, out, lse)
 
     def bwd(res: Any, cotangents: Any) -> Any:
         q, k, v, mask, bias, key, out, lse = res
         dout, dlse = cotangents
-        grads, _ = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse)
+        grads, _ = _backward(call, dout, q, k, v, out, lse, mask, bias, key, dlse)
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None
 
     run.defvjp(fwd, bwd)
@@ -783,33 +491,39 @@ def _modded_blockwise(
     """The blockwise path of a call with segment ids or mods: a ``custom_vjp`` built for
     this call (the mods are functions: it is traced again each call outside ``jit``), its
     ids and a score_mod's captured arrays passed explicitly."""
-    g = _Grid(call, _block_size(call))
     converted: Any = None
     consts: Any = ()
     if mods.score_mod is not None:
-        example_s = jnp.zeros(_mods.user_shape(call, g.size, g.size), call.compute_dtype)
-        example = _mods.indices(call, (0, g.size), (0, g.size))
+        size = _blockwise.block_size(call, _LOOP)
+        example_s = jnp.zeros(_mods.user_shape(call, size, size), call.compute_dtype)
+        example = _mods.indices(call, (0, size), (0, size))
         converted, consts = jax.closure_convert(mods.score_mod, example_s, *example)
     arrays = (mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos)
 
-    def scan_mods(ids: Any) -> _ScanMods:
-        q_ids, kv_ids, q_pos, kv_pos = ids
-        plain = _mods.Mods(q_ids, kv_ids, q_pos, kv_pos, None, mods.mask_mod)
-        return _ScanMods(plain, converted)
+    def grad_of(ids: Any, c: Any) -> _ScoreGrad:
+        plain = _mods.Mods(*ids, None, mods.mask_mod)
+        return _ScoreGrad(call, plain, converted, tuple(c))
+
+    def modded(ids: Any, c: Any) -> _mods.Mods:
+        if converted is None:
+            return _mods.Mods(*ids, None, mods.mask_mod)
+        return grad_of(ids, c).modded()
 
     @jax.custom_vjp
     def run(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any, ids: Any, c: Any) -> Any:
-        return _scan_forward(g, q, k, v, mask, bias, key, scan_mods(ids).with_consts(c))
+        return _forward(call, q, k, v, mask, bias, key, modded(ids, c))
 
     def fwd(q: Any, k: Any, v: Any, mask: Any, bias: Any, key: Any, ids: Any, c: Any) -> Any:
-        out, lse = _scan_forward(g, q, k, v, mask, bias, key, scan_mods(ids).with_consts(c))
+        out, lse = _forward(call, q, k, v, mask, bias, key, modded(ids, c))
         return (out, lse), (q, k, v, mask, bias, key, ids, c, out, lse)
 
     def bwd(res: Any, cotangents: Any) -> Any:
         q, k, v, mask, bias, key, ids, c, out, lse = res
         dout, dlse = cotangents
-        grads, dc = _scan_backward(
-            g, dout, q, k, v, out, lse, mask, bias, key, dlse, scan_mods(ids), tuple(c)
+        plain = _mods.Mods(*ids, None, mods.mask_mod)
+        score_grad = grad_of(ids, c) if converted is not None else None
+        grads, dc = _backward(
+            call, dout, q, k, v, out, lse, mask, bias, key, dlse, plain, score_grad
         )
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, tuple(dc)
 
@@ -821,10 +535,9 @@ def _modded_blockwise(
 @functools.lru_cache(maxsize=64)
 def _backward_fn(call: _spec.Call) -> Any:
     """``attend_backward`` of a call, jitted (cached: a Call is hashable)."""
-    g = _Grid(call, _block_size(call))
 
     def backward(*args: Any) -> Grads:
-        return _scan_backward(g, *args)[0]
+        return _backward(call, *args)[0]
 
     return jax.jit(backward)
 
@@ -939,9 +652,7 @@ class JaxAdapter(Adapter):
         if mods is None:
             grads: Grads = _backward_fn(call)(dout, q, k, v, out, lse, mask, bias, key, dlse)
         else:
-            g = _Grid(call, _block_size(call))
-            scan = _ScanMods(mods)
-            grads = _scan_backward(g, dout, q, k, v, out, lse, mask, bias, key, dlse, scan)[0]
+            grads = _backward(call, dout, q, k, v, out, lse, mask, bias, key, dlse, mods)[0]
         if sinks is not None:
             dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
             grads = grads._replace(dsinks=dsinks)

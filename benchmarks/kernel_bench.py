@@ -1,0 +1,195 @@
+"""The blockwise kernel's measures: how much of a call runs per-framework code, and what
+one kernel costs on each framework against that framework's own fused attention.
+
+    python benchmarks/kernel_bench.py lines           # lines executed, per framework
+    python benchmarks/kernel_bench.py jax-compile     # jit(grad) causal L=16384: compile, temps
+    python benchmarks/kernel_bench.py jax-grad        # jit(grad) causal L=4096 against jax.nn's
+    python benchmarks/kernel_bench.py torch-ours      # causal+softcap L=8192 fwd+bwd: time, RSS
+    python benchmarks/kernel_bench.py torch-sdpa      # the same shape through SDPA (causal)
+
+Each measure prints one line. Peak RSS is the process's, so ``torch-ours`` and
+``torch-sdpa`` run in processes of their own; to compare two versions of the package, run
+each measure with one version and then the other, alternating, several times (the
+machine's speed drifts within minutes: only figures measured side by side compare).
+
+- ``lines``: one cold ``attend(q, k, v, causal=True, softcap=20.0, chunk_size=64)``
+  forward and backward on ``[1, 2, 256, 16]`` float32, traced with ``sys.settrace``:
+  torch through autograd (``out.sum().backward()``), JAX as ``jax.jit(jax.grad(...))``,
+  NumPy as ``attend(..., return_lse=True)`` then ``attend_backward``. Prints, per
+  framework, the distinct lines of the package executed inside ``backends/`` and the share
+  of the lines outside ``backends/`` that torch's call executes which this call executes
+  too.
+- ``jax-compile``: ``jax.jit(jax.grad(loss))`` of the blockwise path, causal, ``[1, 8,
+  16384, 64]`` float32: seconds to lower and compile, and XLA's temporaries (MiB).
+- ``jax-grad``: warm ``jit(grad)`` of the portable blockwise path against
+  ``jax.nn.dot_product_attention``'s, causal, ``[1, 8, 4096, 64]`` float32, best of 5.
+- ``torch-ours`` / ``torch-sdpa``: forward + backward of ``sum(out)``, ``[1, 8, 8192, 64]``
+  float32, best of 3, and the process's peak RSS; ours ``causal=True, softcap=20.0``
+  (the blockwise path), SDPA ``is_causal=True`` (no softcap: the anchor).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__import__("portable_attention").__file__)))
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _traced(fn: Callable[[], Any]) -> set[tuple[str, int]]:
+    """The ``(file, line)`` pairs of the package that ``fn()`` executes."""
+    root = os.path.join(PACKAGE, "portable_attention")
+    seen: set[tuple[str, int]] = set()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        path = frame.f_code.co_filename
+        if not path.startswith(root):
+            return None
+        if event == "line":
+            seen.add((os.path.relpath(path, root), frame.f_lineno))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def lines() -> None:
+    from portable_attention import attend, attend_backward
+
+    rng = np.random.default_rng(0)
+    shape = (1, 2, 256, 16)
+    arrays = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+    options = {"causal": True, "softcap": 20.0, "chunk_size": 64}
+    runs: dict[str, Callable[[], Any]] = {}
+
+    import torch
+
+    def torch_run() -> None:
+        q, k, v = (torch.tensor(a, requires_grad=True) for a in arrays)
+        attend(q, k, v, **options).sum().backward()
+
+    runs["torch"] = torch_run
+
+    import jax
+    import jax.numpy as jnp
+
+    def jax_run() -> None:
+        q, k, v = (jnp.asarray(a) for a in arrays)
+        grad = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v, **options).sum(), (0, 1, 2)))
+        jax.block_until_ready(grad(q, k, v))
+
+    runs["jax"] = jax_run
+
+    def numpy_run() -> None:
+        q, k, v = arrays
+        out, lse = attend(q, k, v, return_lse=True, **options)
+        attend_backward(np.ones_like(out), q, k, v, out, lse, **options)
+
+    runs["numpy"] = numpy_run
+    seen = {name: _traced(run) for name, run in runs.items()}
+    outside = {name: {x for x in s if not x[0].startswith("backends")} for name, s in seen.items()}
+    for name, s in seen.items():
+        inside = sum(1 for x in s if x[0].startswith("backends"))
+        share = len(outside[name] & outside["torch"]) / len(outside["torch"])
+        print(f"lines {name}: {inside} inside backends/, {share:.0%} of torch's outside")
+
+
+def _jax_loss(length: int, impl: str) -> tuple[Any, tuple[Any, ...]]:
+    import jax
+    import jax.numpy as jnp
+
+    from portable_attention import attend
+
+    key = jax.random.key(0)
+    shape = (1, 8, length, 64)
+    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), shape) for i in range(3))
+    if impl == "ours":
+
+        def loss(q: Any, k: Any, v: Any) -> Any:
+            return attend(q, k, v, causal=True, implementation="portable", chunk_size=256).sum()
+
+    else:
+
+        def loss(q: Any, k: Any, v: Any) -> Any:
+            t = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+            return jax.nn.dot_product_attention(*t, is_causal=True).sum()
+
+    return jax.jit(jax.grad(loss, (0, 1, 2))), (q, k, v)
+
+
+def jax_compile() -> None:
+    grad, args = _jax_loss(16384, "ours")
+    start = time.perf_counter()
+    compiled = grad.lower(*args).compile()
+    seconds = time.perf_counter() - start
+    temps = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    print(f"jax-compile L=16384: {seconds:.2f} s, temporaries {temps:.0f} MiB")
+
+
+def jax_grad() -> None:
+    import jax
+
+    times = {}
+    for impl in ("ours", "jax.nn"):
+        grad, args = _jax_loss(4096, impl)
+        times[impl] = _best(lambda grad=grad, args=args: jax.block_until_ready(grad(*args)), 5)
+    ratio = times["ours"] / times["jax.nn"]
+    print(
+        f"jax-grad L=4096: ours {times['ours'] * 1e3:.0f} ms, jax.nn {times['jax.nn'] * 1e3:.0f} ms,"
+        f" {ratio:.2f}x"
+    )
+
+
+def _torch(impl: str) -> None:
+    import torch
+
+    from portable_attention import attend
+
+    torch.manual_seed(0)
+    shape = (1, 8, 8192, 64)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+
+    def run() -> None:
+        if impl == "ours":
+            out = attend(q, k, v, causal=True, softcap=20.0)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    seconds = _best(run, 3)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"torch-{impl} L=8192: {seconds * 1e3:.0f} ms, peak RSS {rss:.0f} MiB")
+
+
+MEASURES: dict[str, Callable[[], None]] = {
+    "lines": lines,
+    "jax-compile": jax_compile,
+    "jax-grad": jax_grad,
+    "torch-ours": lambda: _torch("ours"),
+    "torch-sdpa": lambda: _torch("sdpa"),
+}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(MEASURES)
+    for name in names:
+        MEASURES[name]()
