@@ -39,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__import__("portable_attention").__file__)))
+import portable_attention
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(portable_attention.__file__)))
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -154,10 +156,8 @@ def jax_grad() -> None:
         grad, args = _jax_loss(4096, impl)
         times[impl] = _best(lambda grad=grad, args=args: jax.block_until_ready(grad(*args)), 5)
     ratio = times["ours"] / times["jax.nn"]
-    print(
-        f"jax-grad L=4096: ours {times['ours'] * 1e3:.0f} ms, jax.nn {times['jax.nn'] * 1e3:.0f} ms,"
-        f" {ratio:.2f}x"
-    )
+    ours, theirs = times["ours"] * 1e3, times["jax.nn"] * 1e3
+    print(f"jax-grad L=4096: ours {ours:.0f} ms, jax.nn {theirs:.0f} ms, {ratio:.2f}x")
 
 
 def _torch(impl: str) -> None:

@@ -34,6 +34,10 @@ class BlockLoop:
 
     #: Block offsets are Python ints: decisions on them may be taken while looping.
     static = True
+    #: The backward folds ``- delta`` and ``- lse`` into its matrix products as one more
+    #: column of ``dout`` and ``q`` (a pass over each block fewer, for a copy of each):
+    #: on torch's CPU kernels a block's subtraction costs a pass over memory.
+    fold_columns = True
 
     def __init__(self, xp: Any, device: Any = None) -> None:
         self.xp = xp

@@ -43,6 +43,8 @@ from portable_attention._core import Operands, Scores, operands
 from portable_attention._mods import Mods
 from portable_attention._spec import Call, check_arrays
 
+_INF = float("inf")  # (a pass's ``math`` argument shadows the math module)
+
 #: ``keep(block, shape) -> bool array``: block ``block``'s dropout keep mask for a block of
 #: scores of ``shape``, the same array for the same block every time it is asked (the
 #: forward and the backward draw it alike). ``block`` is a Python int, or a traced integer
@@ -344,7 +346,7 @@ def forward(
         rows = run.rows(qi)
         lead = (*ops.q.shape[:-2], rows[1])
         init = (
-            loop.full((*lead, 1), ct, -math_inf, like),
+            loop.full((*lead, 1), ct, -_INF, like),
             loop.full((*lead, 1), ct, 0.0, like),
             loop.full((*lead, call.v_shape[-1]), ct, 0.0, like),
         )
@@ -391,9 +393,6 @@ def forward(
     if query_blocks is not None:
         return _core._finish(call, out, lse, length)
     return _core._finish(call, out, lse)
-
-
-math_inf = math.inf
 
 
 def bounded_scores(call: Call) -> bool:
@@ -599,15 +598,16 @@ def backward_and_consts(
         delta = delta - loop.pad(grouped(call, dlse, last=None), lqp, -1, 0.0)
     # Rows with no key (lse = -inf): +inf makes every p = exp(s - inf) = 0 (NaN stays NaN).
     lse_g = grouped(call, lse, last=None)
-    lse_g = loop.pad(xp.where(lse_g == -xp.inf, xp.inf, lse_g), lqp, -1, math_inf)
+    lse_g = loop.pad(xp.where(lse_g == -xp.inf, xp.inf, lse_g), lqp, -1, _INF)
     queries_of = _partners(pairs(call, size), run.nk, by_keys=True)
     bias_shape = tuple(ops.bias.shape) if dbias_wanted else ()
     # One column more in a matmul instead of a pass over each block: [dout, delta] @
     # [v, -1]^T = dp - delta (not with dropout, whose mask applies to dp alone), and
     # without softcap [q, -lse] @ [k, 1]^T = s - lse (softcap's tanh, or a score_mod,
-    # comes in between).
-    fold_delta = keep is None
-    fold_lse = call.softcap is None and not call.score_mod
+    # comes in between); where the loop's compiler fuses those passes itself, the
+    # augmented copies of q and dout only cost memory (BlockLoop.fold_columns).
+    fold_delta = keep is None and loop.fold_columns
+    fold_lse = call.softcap is None and not call.score_mod and loop.fold_columns
     # With softcap bounding the scores (no bias), p = exp(s) * exp(-lse): the row factor
     # goes into dout and delta (rows with no key: exp(-inf) = 0), a pass less per block.
     bounded = bounded_scores(call)
@@ -673,7 +673,7 @@ def backward_and_consts(
                 else:
                     p = math.exp_shifted(s, loop.take(lse_g, *rows, -1)[..., None])
             p_used = p
-            if keep is None:  # fold_delta (no buffer where dbias may keep ds, made from it)
+            if fold_delta:  # (no buffer where dbias may keep ds, made from it)
                 dp_delta = math.product(
                     loop.take(do_aug, *rows, -2),
                     xp.matrix_transpose(vb_aug),
@@ -681,12 +681,11 @@ def backward_and_consts(
                 )
             else:
                 dp = xp.matmul(dob, xp.matrix_transpose(vb))
-                kept = keep(block_number(qi, ki, run.nk), tuple(p.shape))
-                p_used = _core.apply_keep(xp, p, kept, call.dropout)
-                dp_delta = (
-                    _core.apply_keep(xp, dp, kept, call.dropout)
-                    - loop.take(delta, *rows, -1)[..., None]
-                )
+                if keep is not None:
+                    kept = keep(block_number(qi, ki, run.nk), tuple(p.shape))
+                    p_used = _core.apply_keep(xp, p, kept, call.dropout)
+                    dp = _core.apply_keep(xp, dp, kept, call.dropout)
+                dp_delta = dp - loop.take(delta, *rows, -1)[..., None]
             dv_b = _add_product(call, math, dv_b, xp.matrix_transpose(p_used), dob)
             ds = math.mul(dp_delta, p)
             if pullback:  # d score_mod: back to the scores before it, and to its consts

@@ -19,7 +19,7 @@ An :class:`Adapter` binds what the array API standard cannot express for one fra
   planner then keeps the dense path only while what it would save for backward is small.
 - ``blockwise(call, ...)``: the blockwise path's forward, differentiable with the
   blockwise backward through the framework's custom-gradient mechanism (torch: an
-  ``autograd.Function``; JAX: a ``custom_vjp`` over ``lax.scan``); by default the
+  ``autograd.Function``; JAX: a ``custom_vjp`` over compiled loops); by default the
   array-API forward of :mod:`portable_attention._blockwise` (no autodiff to hook).
 - ``blockwise_backward(call, ...)``: that backward (``attend_backward``); by default the
   array-API one.
