@@ -6,6 +6,7 @@ one kernel costs on each framework against that framework's own fused attention.
     python benchmarks/kernel_bench.py jax-grad        # jit(grad) causal L=4096 against jax.nn's
     python benchmarks/kernel_bench.py torch-ours      # causal+softcap L=8192 fwd+bwd: time, RSS
     python benchmarks/kernel_bench.py torch-sdpa      # the same shape through SDPA (causal)
+    python benchmarks/kernel_bench.py numpy           # NumPy's kernel and the blockwise one
 
 Each measure prints one line. Peak RSS is the process's, so ``torch-ours`` and
 ``torch-sdpa`` run in processes of their own; to compare two versions of the package, run
@@ -26,6 +27,10 @@ machine's speed drifts within minutes: only figures measured side by side compar
 - ``torch-ours`` / ``torch-sdpa``: forward + backward of ``sum(out)``, ``[1, 8, 8192, 64]``
   float32, best of 3, and the process's peak RSS; ours ``causal=True, softcap=20.0``
   (the blockwise path), SDPA ``is_causal=True`` (no softcap: the anchor).
+- ``numpy``: forward of ``[1, 8, L, 64]`` float32 at L=512, 2048 and a decode step (one
+  query, 4096 keys), best of 5: ``attend``'s default (NumPy's own kernel) and the
+  blockwise kernel (``implementation="portable", chunk_size=256``), each as a ratio to
+  the seed document's formula (``softmax(q k^T / sqrt(d)) v`` in NumPy).
 """
 
 from __future__ import annotations
@@ -181,7 +186,36 @@ def _torch(impl: str) -> None:
     print(f"torch-{impl} L=8192: {seconds * 1e3:.0f} ms, peak RSS {rss:.0f} MiB")
 
 
+def numpy_paths() -> None:
+    from portable_attention import attend, plan
+
+    rng = np.random.default_rng(0)
+    for name, lq, lk in (("L=512", 512, 512), ("L=2048", 2048, 2048), ("decode", 1, 4096)):
+        q = rng.standard_normal((1, 8, lq, 64), dtype=np.float32)
+        k, v = (rng.standard_normal((1, 8, lk, 64), dtype=np.float32) for _ in range(2))
+
+        def seed(q: Any = q, k: Any = k, v: Any = v) -> Any:
+            s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+            e = np.exp(s - s.max(axis=-1, keepdims=True))
+            return (e / e.sum(axis=-1, keepdims=True)) @ v
+
+        def native(q: Any = q, k: Any = k, v: Any = v) -> Any:
+            return attend(q, k, v)
+
+        def blockwise(q: Any = q, k: Any = k, v: Any = v) -> Any:
+            return attend(q, k, v, implementation="portable", chunk_size=256)
+
+        times = {f.__name__: _best(f, 5) for f in (seed, native, blockwise)}
+        paths = plan(q, k, v).path, plan(q, k, v, implementation="portable", chunk_size=256).path
+        print(
+            f"numpy {name}: seed {times['seed'] * 1e3:.2f} ms, {paths[0]} "
+            f"{times['native'] / times['seed']:.2f}x, {paths[1]} "
+            f"{times['blockwise'] / times['seed']:.2f}x of the seed formula"
+        )
+
+
 MEASURES: dict[str, Callable[[], None]] = {
+    "numpy": numpy_paths,
     "lines": lines,
     "jax-compile": jax_compile,
     "jax-grad": jax_grad,
