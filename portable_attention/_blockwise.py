@@ -46,9 +46,10 @@ from portable_attention._spec import Call, check_arrays
 _INF = float("inf")  # (a pass's ``math`` argument shadows the math module)
 
 #: ``keep(block, shape) -> bool array``: block ``block``'s dropout keep mask for a block of
-#: scores of ``shape``, the same array for the same block every time it is asked (the
-#: forward and the backward draw it alike). ``block`` is a Python int, or a traced integer
-#: scalar inside a compiled loop (JAX's ``lax.scan``).
+#: scores of ``shape``, the same array for the same block and shape every time it is asked
+#: (the forward and the backward draw it alike; a padded loop's last blocks have another
+#: shape than a static loop's, so their masks differ between loops, not between passes).
+#: ``block`` is a Python int, or a traced integer scalar inside a compiled loop (JAX's).
 BlockKeep = Callable[[Any, tuple[int, ...]], Any]
 
 #: ``concrete(x) -> bool or None``: a 0-d boolean array as a Python bool where the

@@ -37,8 +37,9 @@ class Plan:
         probabilities for backward); ``"portable:chunked"`` and ``"portable:blockwise"``:
         the blockwise path, an online softmax over query and key blocks whose backward
         (FlashAttention-2's) recomputes each block from the saved q, k, v, out and lse
-        (torch: an ``autograd.Function``; JAX: a ``custom_vjp`` looping with
-        ``lax.scan``; elsewhere :func:`~portable_attention.attend_backward`). The name
+        (torch: an ``autograd.Function``; JAX: a ``custom_vjp`` over compiled loops;
+        elsewhere :func:`~portable_attention.attend_backward`: one kernel on every
+        framework). The name
         says what chose it: ``"portable:chunked"`` for ``chunk_size=``, a block plan
         that skips blocks, or dense scores over 256 MiB, ``"portable:blockwise"`` for
         ``auto`` on torch or JAX where the dense path would save over 16 MiB of

@@ -741,7 +741,7 @@ def test_one_kernel_two_loops(options: dict[str, Any]) -> None:
     """The blockwise kernel run on JAX arrays with the array-API loops (Python, static
     offsets, blocks cut to the axis) and with JAX's compiled ones (traced offsets, padded
     blocks) computes the same numbers: forward and backward in float64, with Lq and Lk
-    not multiples of the block, rows with no key included. (JAX's loop leaves out the
+    not multiples of the block (rows with no key in the segments case). (JAX's loop leaves out the
     backward's folded columns: the products then round another way, within 1e-13.)"""
     import jax
     import jax.numpy as jnp
@@ -782,6 +782,33 @@ def test_one_kernel_two_loops(options: dict[str, Any]) -> None:
     assert jnp.isneginf(results[0][1]).any() == ("segment_ids" in options)
     for static, traced in zip(*results, strict=True):
         np.testing.assert_allclose(np.asarray(traced), np.asarray(static), rtol=1e-13, atol=1e-13)
+
+
+@requires_backend("jax")
+def test_jax_gradient_of_the_gradient() -> None:
+    """Reverse mode through the blockwise backward (a gradient of a gradient) equals the
+    dense path's, float64, causal, Lq and Lk not multiples of the block, GQA."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    rng = rng_for("blockwise", "grad-of-grad")
+    q = jnp.asarray(randn(rng, (2, 4, 37, 8)))
+    k, v = (jnp.asarray(randn(rng, (2, 2, 45, 8))) for _ in range(2))
+
+    def twice(**options: Any) -> Any:
+        def loss(q: Any) -> Any:
+            return jnp.sum(jnp.sin(attend(q, k, v, causal=True, **options)))
+
+        return jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
+
+    assert plan(q, k, v, causal=True, chunk_size=16).path == "portable:chunked"
+    np.testing.assert_allclose(
+        np.asarray(twice(chunk_size=16)),
+        np.asarray(twice(implementation="portable")),
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 @requires_backend("jax")

@@ -340,8 +340,9 @@ def _unblock(x: Any, axis: int) -> Any:
 class ScanLoop(BlockLoop):
     """The blockwise kernel's loops compiled: the outer one a ``lax.scan`` over the query
     (forward) or key (backward) blocks, the inner one a ``lax.fori_loop`` over a table of
-    each block's partners (its length read from the table: blocks that ``causal``/``window``
-    skip cost nothing), so the program holds one block's code whatever L is. Offsets are
+    each block's partners (the slots past its count skipped by ``lax.cond``: blocks that
+    ``causal``/``window`` skip cost no block's work), so the program holds one block's code
+    whatever L is. Offsets are
     traced: every operand is padded to whole blocks, slices are ``dynamic_slice``, and the
     carries are typed as varying over every ``shard_map`` axis their inputs vary over."""
 
@@ -379,8 +380,15 @@ class ScanLoop(BlockLoop):
         for i, row in enumerate(partners):
             table[i, : len(row)] = row
         counts = np.asarray([len(row) for row in partners], dtype=np.int32)
-        row = jnp.asarray(table)[index]
-        return jax.lax.fori_loop(0, jnp.asarray(counts)[index], lambda j, s: step(s, row[j]), state)
+        row, count = jnp.asarray(table)[index], jnp.asarray(counts)[index]
+
+        # A fixed trip count, the slots past the block's count skipped by lax.cond: a
+        # count read from the table would make a while_loop, which reverse mode cannot
+        # differentiate (the gradient of a gradient goes through the backward's loops).
+        def body(j: Any, state: Any) -> Any:
+            return jax.lax.cond(j < count, lambda s: step(s, row[j]), lambda s: s, state)
+
+        return jax.lax.fori_loop(0, width, body, state)
 
     def take(self, x: Any, start: Any, size: Any, axis: int) -> Any:
         return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
