@@ -17,6 +17,12 @@ static grid of ``size x size`` blocks (:func:`block_size`) and skip the blocks t
   the size of the bias). Grouped-query heads are summed over their group without copying
   K/V; rows with no key get zero, finite gradients.
 
+The loops themselves, the slices of blocks and the sums into arrays of blocks go through a
+:class:`~portable_attention._block_loop.BlockLoop` that the adapter gives
+(``Adapter.block_loop``): Python loops over static offsets by default, JAX's compiled ones
+(``lax.scan``, ``lax.fori_loop``, traced offsets, padded blocks) on JAX. Every framework
+runs this one kernel.
+
 Dropout draws one keep mask per block from a :data:`BlockKeep`, a deterministic function
 of the user's ``rng`` and the block's number (``qi * n_key_blocks + ki``) that each
 framework's adapter makes (``Adapter.block_keep``): the backward draws the same masks as

@@ -342,9 +342,9 @@ class ScanLoop(BlockLoop):
     (forward) or key (backward) blocks, the inner one a ``lax.fori_loop`` over a table of
     each block's partners (the slots past its count skipped by ``lax.cond``: blocks that
     ``causal``/``window`` skip cost no block's work), so the program holds one block's code
-    whatever L is. Offsets are
-    traced: every operand is padded to whole blocks, slices are ``dynamic_slice``, and the
-    carries are typed as varying over every ``shard_map`` axis their inputs vary over."""
+    whatever L is. Offsets are traced: every operand is padded to whole blocks, slices are
+    ``dynamic_slice``, and the carries are typed as varying over every ``shard_map`` axis
+    their inputs vary over."""
 
     static = False
     # XLA fuses the subtractions into the exponential: the folded columns' copies of q and
