@@ -4,8 +4,8 @@ Array-API only, as :mod:`portable_attention._core` (no framework code, no boolea
 indexing, Python branching on static shapes only). Each block's elementwise steps go through
 a :class:`~portable_attention._block_math.BlockMath` that the adapter gives: functional by
 default, in place where the framework can (torch outside autograd). Both passes walk the same
-static grid of ``size x size`` blocks (:func:`block_size`) and skip the blocks that
-``causal``/``window`` mask entirely (:func:`pairs`):
+static grid of ``size x size`` blocks and skip the blocks that ``causal``/``window`` mask
+entirely (:mod:`portable_attention._block_grid`):
 
 - :func:`forward`: the online softmax (running max and sum) of every query block over its
   key blocks; returns ``(out, lse)``. Peak memory ``O(Lq * Dv + size**2)`` per head.
@@ -41,11 +41,21 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from portable_attention import _core, _mods
-from portable_attention import masks as _masks
+from portable_attention._block_grid import (
+    Concrete,
+    Pass,
+    Span,
+    block_number,
+    masked_out,
+    pairs,
+    partners,
+    prepared,
+    trimmed,
+)
 from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
 from portable_attention._checks import is_kind, shape_of
-from portable_attention._core import Operands, Scores, operands
+from portable_attention._core import Scores
 from portable_attention._mods import Mods
 from portable_attention._spec import Call, check_arrays
 
@@ -57,11 +67,6 @@ _INF = float("inf")  # (a pass's ``math`` argument shadows the math module)
 #: shape than a static loop's, so their masks differ between loops, not between passes).
 #: ``block`` is a Python int, or a traced integer scalar inside a compiled loop (JAX's).
 BlockKeep = Callable[[Any, tuple[int, ...]], Any]
-
-#: ``concrete(x) -> bool or None``: a 0-d boolean array as a Python bool where the
-#: framework runs eagerly (None while a compiler traces): blocks that segment ids or a
-#: ``mask_mod`` mask entirely are then skipped (``Adapter.concrete``).
-Concrete = Callable[[Any], "bool | None"]
 
 
 class Grads(NamedTuple):
@@ -97,218 +102,6 @@ class ScoreGrad(Protocol):
     ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]: ...
 
 
-def block_size(call: Call, loop: BlockLoop | None = None) -> int:
-    """The block length of both passes: a block plan's, ``chunk_size``, else
-    :func:`_core.auto_chunk` of the loop's budget; never longer than the call needs (a
-    padded loop pads every call to whole blocks: a ring step's 8 x 8 block padded to
-    1024 x 1024 took 0.8 s on JAX)."""
-    if call.blocks is not None:  # its pairs are blocks of its size
-        return int(call.blocks.block_size)
-    if call.chunk_size is not None:
-        size = call.chunk_size
-    else:
-        budget = _core.CHUNK_BUDGET if loop is None else loop.budget(call, _core.CHUNK_BUDGET)
-        size = _core.auto_chunk(call, budget)
-    longest = max(call.q_shape[-2], call.k_shape[-2], 1)
-    return min(size, max(16, 1 << (longest - 1).bit_length()))
-
-
-def grid(call: Call, size: int) -> tuple[int, int]:
-    """Numbers of query and key blocks of ``size`` (the last ones may be shorter)."""
-    return -(-call.q_shape[-2] // size), -(-call.k_shape[-2] // size)
-
-
-def span(length: int, size: int, index: int) -> tuple[int, int]:
-    """``(start, stop)`` of block ``index`` of ``size`` on an axis of ``length``."""
-    return index * size, min((index + 1) * size, length)
-
-
-def pairs(call: Call, size: int) -> list[tuple[int, int]]:
-    """The ``(query block, key block)`` pairs that ``causal``/``window`` (and a block
-    plan) leave, query block by query block (a static list: it depends on shapes and
-    options only)."""
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    nq, nk = grid(call, size)
-    kept = None if call.blocks is None else set(call.blocks.kept)
-    return [
-        (qi, ki)
-        for qi in range(nq)
-        for ki in range(nk)
-        if not _core._block_is_empty(call, span(lq, size, qi), span(lk, size, ki))
-        and (kept is None or (qi, ki) in kept)
-    ]
-
-
-def _partners(todo: list[tuple[int, int]], count: int, *, by_keys: bool) -> list[list[int]]:
-    """Each query block's key blocks (``by_keys``: each key block's query blocks), in the
-    order of ``todo``: the inner loops' tables."""
-    table: list[list[int]] = [[] for _ in range(count)]
-    for qi, ki in todo:
-        if by_keys:
-            table[ki].append(qi)
-        else:
-            table[qi].append(ki)
-    return table
-
-
-Span = tuple[Any, int]  # (start, length) of a block on an axis; start may be traced
-
-
-class _Pass:
-    """What both passes share: the call, its loop, block length and operands."""
-
-    def __init__(
-        self, call: Call, loop: BlockLoop, ops: Operands, mods: Mods | None, size: int
-    ) -> None:
-        self.call, self.loop, self.ops, self.mods, self.size = call, loop, ops, mods, size
-        self.nq, self.nk = grid(call, size)
-        #: A padded loop's last key block holds keys past Lk: they are masked.
-        self.pad_keys = not loop.static and call.k_shape[-2] % size != 0
-        self.bands: dict[tuple[int, int, int], Any] = {}
-
-    def rows(self, qi: Any) -> Span:
-        return qi * self.size, self.loop.length(self.call.q_shape[-2], self.size, qi)
-
-    def cols(self, ki: Any) -> Span:
-        return ki * self.size, self.loop.length(self.call.k_shape[-2], self.size, ki)
-
-    def block(self, x: Any, rows: Span, cols: Span) -> Any:
-        """The ``rows x cols`` block of a broadcastable mask/bias (size-1 axes kept)."""
-        if x is None:
-            return None
-        if x.shape[-2] != 1:
-            x = self.loop.take(x, *rows, -2)
-        if x.shape[-1] != 1:
-            x = self.loop.take(x, *cols, -1)
-        return x
-
-    def band(self, rows: Span, cols: Span) -> Any:
-        """``causal``/``window`` (and a padded loop's keys past Lk) on the block; None
-        where they keep all of it."""
-        call, xp = self.call, self.call.xp
-        if self.loop.static:
-            r, c = (rows[0], rows[0] + rows[1]), (cols[0], cols[0] + cols[1])
-            return _core.structural_mask(call, device=call.device, rows=r, cols=c)
-        i = rows[0] + xp.reshape(xp.arange(rows[1], device=call.device), (rows[1], 1))
-        j = cols[0] + xp.reshape(xp.arange(cols[1], device=call.device), (1, cols[1]))
-        band = None
-        if not _core.band_keeps_all(call):
-            left, right = _core.window_sides(call)
-            lq, lk = call.q_shape[-2], call.k_shape[-2]
-            band = _masks.band_at(xp, i, j, lq, lk, left=left, right=right, align=call.align)
-        if self.pad_keys:
-            real = j < call.k_shape[-2]
-            band = real if band is None else band & real
-        return band
-
-    def allow(self, rows: Span, cols: Span, pair: tuple[Any, Any]) -> Any:
-        """The block's mask (True = may attend): the user's ``mask``, ``causal``/``window``,
-        segment ids and ``mask_mod`` together; None where nothing masks. A block plan's
-        full blocks skip the ``mask_mod``; on a static loop the band of a block is made
-        once per offset and shape (it depends on nothing else)."""
-        call, loop, mods = self.call, self.loop, self.mods
-        user = self.block(self.ops.mask, rows, cols)
-        if loop.static and user is None:
-            key = (rows[0] - cols[0], rows[1], cols[1])
-            if key not in self.bands:
-                self.bands[key] = self.band(rows, cols)
-            allow = self.bands[key]
-        else:
-            band = self.band(rows, cols)
-            allow = user if band is None else (band if user is None else user & band)
-        if mods is None or (mods.q_ids is None and mods.mask_mod is None):
-            return allow
-        if (
-            loop.static
-            and mods.mask_mod is not None
-            and call.blocks is not None
-            and pair in call.blocks.full
-        ):
-            mods = Mods(mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos, None, None)
-        layout = (*self.ops.q.shape[:-2], rows[1], cols[1])
-
-        def cut(x: Any, where: Span) -> Any:
-            return loop.take(x, *where, -1)
-
-        extra = _mods.block_mask(call, mods, rows, cols, layout, slice_ids=cut)
-        if extra is None:
-            return allow
-        return extra if allow is None else allow & extra
-
-    def like(self, *more: Any) -> tuple[Any, ...]:
-        """The arrays a loop's carry is computed from (JAX types its carries by them)."""
-        ops, mods = self.ops, self.mods
-        ids = () if mods is None else (mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos)
-        found = (ops.q, ops.k, ops.v, ops.mask, ops.bias, *ids, *more)
-        return tuple(x for x in found if x is not None)
-
-
-def _prepared(
-    call: Call, loop: BlockLoop, q: Any, k: Any, v: Any, mask: Any, bias: Any, mods: Mods | None
-) -> _Pass:
-    """The operands (and segment ids) of a pass, padded to whole blocks on a padded
-    loop: padded keys are masked (:meth:`_Pass.band`), padded query rows dropped."""
-    size = block_size(call, loop)
-    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
-    nq, nk = grid(call, size)
-    lqp, lkp = nq * size, nk * size
-
-    def scores_operand(x: Any, value: float | bool) -> Any:
-        if x is None:
-            return None
-        if x.shape[-2] != 1:
-            x = loop.pad(x, lqp, -2, value)
-        if x.shape[-1] != 1:
-            x = loop.pad(x, lkp, -1, value)
-        return x
-
-    ops = Operands(
-        q=loop.pad(ops.q, lqp, -2, 0.0),
-        k=loop.pad(ops.k, lkp, -2, 0.0),
-        v=loop.pad(ops.v, lkp, -2, 0.0),
-        mask=scores_operand(ops.mask, False),
-        bias=scores_operand(ops.bias, 0.0),
-    )
-    if mods is not None and mods.q_ids is not None:
-
-        def ids(x: Any, length: int) -> Any:
-            return None if x is None else loop.pad(x, length, -1, 0)
-
-        mods = Mods(
-            ids(mods.q_ids, lqp),
-            ids(mods.kv_ids, lkp),
-            ids(mods.q_pos, lqp),
-            ids(mods.kv_pos, lkp),
-            mods.score_mod,
-            mods.mask_mod,
-        )
-    return _Pass(call, loop, ops, mods, size)
-
-
-def masked_out(call: Call, allow: Any, concrete: Concrete | None, mods: Mods | None) -> bool:
-    """Whether a block's mask from segment ids or a ``mask_mod`` keeps nothing, where
-    that can be read (eagerly: one host read per block; none without ids or a mask_mod)."""
-    if concrete is None or allow is None or mods is None:
-        return False
-    if mods.q_ids is None and mods.mask_mod is None:
-        return False
-    return concrete(call.xp.any(allow)) is False
-
-
-def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:
-    """The number of block ``(qi, ki)`` that dropout's keep masks are drawn for."""
-    return qi * n_key_blocks + ki
-
-
-def _trimmed(x: Any, length: int, axis: int) -> Any:
-    """``x`` cut to ``length`` along ``axis`` (a padded loop's rows past it dropped)."""
-    if x.shape[axis] == length:
-        return x
-    index = [slice(None)] * x.ndim
-    index[x.ndim + axis] = slice(0, length)
-    return x[tuple(index)]
-
-
 def forward(
     call: Call,
     q: Any,
@@ -325,7 +118,8 @@ def forward(
     math: BlockMath | None = None,
     loop: BlockLoop | None = None,
 ) -> tuple[Any, Any]:
-    """Online-softmax attention over the blocks of :func:`pairs`; returns ``(out, lse)``.
+    """Online-softmax attention over the blocks of ``_block_grid.pairs``; returns
+    ``(out, lse)``.
 
     ``out [..., Hq, Lq, Dv]`` in the input dtype, ``lse [..., Hq, Lq]`` in the compute
     dtype, as :func:`_core.dense`. ``keep``: dropout's keep masks, one per block.
@@ -341,9 +135,9 @@ def forward(
     xp, ct = call.xp, call.compute_dtype
     loop = BlockLoop(xp, call.device) if loop is None else loop
     math = block_math(call, math)
-    run = _prepared(call, loop, q, k, v, mask, bias, mods)
+    run = prepared(call, loop, q, k, v, mask, bias, mods)
     ops, mods = run.ops, run.mods
-    keys_of = _partners(pairs(call, run.size), run.nq, by_keys=False)
+    keys_of = partners(pairs(call, run.size), run.nq, by_keys=False)
     bounded = bounded_scores(call)
     like = run.like()
 
@@ -396,7 +190,7 @@ def forward(
     first, stop = query_blocks if query_blocks is not None else (0, run.nq)
     _, (out, lse) = loop.outer(query_block, (), range(first, stop), (-2, -1))
     length = min(stop * run.size, call.q_shape[-2]) - first * run.size
-    out, lse = _trimmed(out, length, -2), _trimmed(lse, length, -1)
+    out, lse = trimmed(out, length, -2), trimmed(lse, length, -1)
     if query_blocks is not None:
         return _core._finish(call, out, lse, length)
     return _core._finish(call, out, lse)
@@ -416,12 +210,6 @@ def bounded_scores(call: Call) -> bool:
     return call.softcap + math.log(max(call.k_shape[-2], 1)) < high - 1 and call.softcap < -low - 1
 
 
-def q_factor(call: Call) -> float:
-    """What q is multiplied by before its blocks' scores: the scale, over ``softcap``
-    where one is given (``tanh`` then takes the product as it is: one pass less)."""
-    return call.scale / call.softcap if call.softcap is not None else call.scale
-
-
 def block_math(call: Call, math: BlockMath | None) -> BlockMath:
     """The steps a pass takes: the adapter's ``math``, but the functional ones for a call
     with a ``score_mod`` (whose result may be any array of the block's shape, which an
@@ -432,7 +220,7 @@ def block_math(call: Call, math: BlockMath | None) -> BlockMath:
 
 
 def block_scores(
-    run: _Pass,
+    run: Pass,
     qb: Any,
     kb: Any,
     rows: Span,
@@ -533,7 +321,8 @@ def backward(
     math: BlockMath | None = None,
     loop: BlockLoop | None = None,
 ) -> Grads:
-    """FlashAttention-2's backward over the blocks of :func:`pairs` (see the module).
+    """FlashAttention-2's backward over the blocks of ``_block_grid.pairs`` (see the
+    module).
 
     ``out`` and ``lse`` are the forward's (or, for a shard of K/V, those of the whole
     call); ``dlse`` the loss's gradient with respect to ``lse`` where it uses it. ``keep``
@@ -595,7 +384,7 @@ def backward_and_consts(
             dsinks,
         )
         return grads, tuple(xp.zeros_like(c) for c in consts)
-    run = _prepared(call, loop, q, k, v, mask, bias, mods)
+    run = prepared(call, loop, q, k, v, mask, bias, mods)
     ops, size = run.ops, run.size
     lqp = run.nq * size
     dv_size = call.v_shape[-1]
@@ -606,7 +395,7 @@ def backward_and_consts(
     # Rows with no key (lse = -inf): +inf makes every p = exp(s - inf) = 0 (NaN stays NaN).
     lse_g = grouped(call, lse, last=None)
     lse_g = loop.pad(xp.where(lse_g == -xp.inf, xp.inf, lse_g), lqp, -1, _INF)
-    queries_of = _partners(pairs(call, size), run.nk, by_keys=True)
+    queries_of = partners(pairs(call, size), run.nk, by_keys=True)
     bias_shape = tuple(ops.bias.shape) if dbias_wanted else ()
     # One column more in a matmul instead of a pass over each block: [dout, delta] @
     # [v, -1]^T = dp - delta (not with dropout, whose mask applies to dp alone), and
@@ -734,8 +523,8 @@ def backward_and_consts(
     dq = loop.assembled(dq_store, [range(nq)], (-2,), dq_zeros)
     # ds was taken with respect to s; with q times q_factor, the scores' factor comes back
     # as the scale (dq) and as softcap (dk: its q blocks carry scale / softcap).
-    dq = _trimmed(dq, lq, -2) * call.scale
-    dk, dv = _trimmed(dk, lk, -2), _trimmed(dv, lk, -2)
+    dq = trimmed(dq, lq, -2) * call.scale
+    dk, dv = trimmed(dk, lk, -2), trimmed(dv, lk, -2)
     if call.softcap is not None:
         dk = dk * call.softcap
     dbias = None
@@ -752,9 +541,9 @@ def backward_and_consts(
         ]
         dbias = loop.assembled(db_store, keys, (-2, -1), db_zeros)
         if bias_shape[-2] != 1:
-            dbias = _trimmed(dbias, lq, -2)
+            dbias = trimmed(dbias, lq, -2)
         if bias_shape[-1] != 1:
-            dbias = _trimmed(dbias, lk, -1)
+            dbias = trimmed(dbias, lk, -1)
         dbias = xp.astype(xp.reshape(dbias, shape_of(bias)), bias.dtype, copy=False)
     grads = Grads(
         _as_input(call, dq, q), _as_input(call, dk, k), _as_input(call, dv, v), dbias, dsinks

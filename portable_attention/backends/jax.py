@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portable_attention import _blockwise, _core, _mods, _spec
+from portable_attention import _block_grid, _blockwise, _core, _mods, _spec
 from portable_attention._block_loop import BlockLoop
 from portable_attention._blockwise import Grads
 from portable_attention._core import KeepMask
@@ -508,7 +508,7 @@ def _modded_blockwise(
     converted: Any = None
     consts: Any = ()
     if mods.score_mod is not None:
-        size = _blockwise.block_size(call, _LOOP)
+        size = _block_grid.block_size(call, _LOOP)
         example_s = jnp.zeros(_mods.user_shape(call, size, size), call.compute_dtype)
         example = _mods.indices(call, (0, size), (0, size))
         converted, consts = jax.closure_convert(mods.score_mod, example_s, *example)

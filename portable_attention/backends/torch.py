@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_attention import _blockwise, _core, _mods, _spec
+from portable_attention import _block_grid, _blockwise, _core, _mods, _spec
 from portable_attention._block_math import BlockMath
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel
@@ -96,7 +96,7 @@ def _options(call: _spec.Call, keep: SeededKeep | None) -> _Options:
         call.softcap or 0.0,
         call.dropout,
         -1 if keep is None else keep.seed,
-        _blockwise.block_size(call),
+        _block_grid.block_size(call),
     )
 
 
@@ -416,8 +416,8 @@ def _checkpointed(
 
     if call.q_shape[-2] == 0 or call.k_shape[-2] == 0:
         return _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods)
-    size = _blockwise.block_size(call)
-    nq = _blockwise.grid(call, size)[0]
+    size = _block_grid.block_size(call)
+    nq = _block_grid.grid(call, size)[0]
     outs, lses = [], []
     for qi in range(max(nq, 1)):
 
