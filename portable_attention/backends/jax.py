@@ -469,10 +469,11 @@ def _forward(
 def _backward(
     call: _spec.Call, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any,
     bias: Any, key: Any, dlse: Any, mods: Any = None, score_grad: Any = None,
+    sinks: Any = None,
 ) -> tuple[Grads, tuple[Any, ...]]:  # fmt: skip
     return _blockwise.backward_and_consts(
         call, dout, q, k, v, out, lse, mask, bias, _keyed(call, key), dlse=dlse,
-        scores=_scores, mods=mods, loop=_LOOP, score_grad=score_grad,
+        scores=_scores, mods=mods, loop=_LOOP, score_grad=score_grad, sinks=sinks,
     )  # fmt: skip
 
 
@@ -556,8 +557,13 @@ def _plain(ids: Any, mask_mod: Any) -> _mods.Mods:
 def _backward_fn(call: _spec.Call) -> Any:
     """``attend_backward`` of a call, jitted (cached: a Call is hashable)."""
 
-    def backward(*args: Any) -> Grads:
-        return _backward(call, *args)[0]
+    def backward(
+        dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any, bias: Any,
+        key: Any, dlse: Any, sinks: Any,
+    ) -> Grads:  # fmt: skip
+        return _backward(
+            call, dout, q, k, v, out, lse, mask, bias, key, dlse, sinks=sinks
+        )[0]  # fmt: skip
 
     return jax.jit(backward)
 
@@ -668,15 +674,11 @@ class JaxAdapter(Adapter):
         mods: Any = None,
         sinks: Any = None,
     ) -> Grads:
-        key = _key_of(keep)
+        args = (dout, q, k, v, out, lse, mask, bias, _key_of(keep), dlse)
         if mods is None:
-            grads: Grads = _backward_fn(call)(dout, q, k, v, out, lse, mask, bias, key, dlse)
-        else:
-            grads = _backward(call, dout, q, k, v, out, lse, mask, bias, key, dlse, mods)[0]
-        if sinks is not None:
-            dsinks = _core.sinks_grad_from(call, sinks, dout, out, lse, dlse)
-            grads = grads._replace(dsinks=dsinks)
-        return grads
+            grads: Grads = _backward_fn(call)(*args, sinks)
+            return grads
+        return _backward(call, *args, mods, sinks=sinks)[0]
 
     def scores(self, xp: Any) -> Any:
         return _scores
