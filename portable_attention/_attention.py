@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from portable_attention import _blockwise, _core, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
+from portable_attention._options import options
 from portable_attention._plan import BLOCKWISE_PATHS, Plan, choose
-from portable_attention._spec import Call, check_implementation, validate_call
+from portable_attention._spec import Call, validate_call
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Prepared
 
@@ -130,7 +131,7 @@ def attend(
         Mismatched shapes, ranks, heads or devices, bad option values, or
         ``implementation="fused"`` where no fused kernel applies.
     """
-    options = (
+    raw = (
         causal,
         window,
         scale,
@@ -148,47 +149,23 @@ def attend(
         or score_mod is not None
         or mask_mod is not None
     ):
-        return _attend_modded(
-            q, k, v, mask, bias, rng, options, sinks, segment_ids, score_mod, mask_mod
-        )
+        call = _validated(q, k, v, mask, bias, rng, raw, sinks, segment_ids, score_mod, mask_mod)
+        return run_call(call, q, k, v, mask, bias, rng, sinks, segment_ids, score_mod, mask_mod)
     # A repeated call (same types, shapes, dtypes, devices and options; never data)
     # skips validation and planning: see portable_attention._memo.
-    key = _memo.key(q, k, v, mask, bias, options)
+    key = _memo.key(q, k, v, mask, bias, raw)
     known = _memo.get(type(q), key)
     if known is None:
-        known = _validated(q, k, v, mask, bias, rng, options)
+        call = _validated(q, k, v, mask, bias, rng, raw)
+        known = _runner(call, choose(call).path)
         if key is None:  # the first call of these array types: learn their keys
-            _memo.register(known[0], q, k, v, mask, bias)
-            key = _memo.key(q, k, v, mask, bias, options)
+            _memo.register(call, q, k, v, mask, bias)
+            key = _memo.key(q, k, v, mask, bias, raw)
         if key is not None:
             _memo.put(type(q), key, known)
-    if known[2] is not None:
-        return known[2](q, k, v)
-    return known[1](q, k, v, mask, bias, rng)
-
-
-def _attend_modded(
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
-    rng: Any,
-    options: tuple[Any, ...],
-    sinks: Any,
-    segment_ids: Any,
-    score_mod: Any,
-    mask_mod: Any,
-) -> Any:
-    """A call with sinks, segment ids or mods: validated and planned each time (their
-    arrays and functions are not memo keys), then run as any other call."""
-    call, run, prepared = _validated(
-        q, k, v, mask, bias, rng, options, sinks, segment_ids, score_mod, mask_mod
-    )
-    assert run is not None and prepared is None  # fused kernels decline these calls
-    return run(
-        q, k, v, mask, bias, rng, _mods.prepare(call, segment_ids, score_mod, mask_mod), sinks
-    )
+    if known.kernel is not None:
+        return known.kernel(q, k, v)
+    return known.run(q, k, v, mask, bias, rng)
 
 
 def _validated(
@@ -198,43 +175,79 @@ def _validated(
     mask: Any,
     bias: Any,
     rng: Any,
-    options: tuple[Any, ...],
+    raw: tuple[Any, ...],
     sinks: Any = None,
     segment_ids: Any = None,
     score_mod: Any = None,
     mask_mod: Any = None,
-) -> tuple[Call, Runner | None, Prepared | None]:
-    """``(call, runner, prepared kernel)`` of a call: validated, planned, its runner built
-    (:func:`_runner`); ``options`` is attend's option tuple (the memo's)."""
-    causal, window, scale, softcap, dropout, _, chunk_size, weights, lse, implementation = options
-    call = validate_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
+) -> Call:
+    """The validated :class:`Call` of attend's arguments (``raw``: its option tuple, the
+    memo's key)."""
+    causal, window, scale, softcap, dropout, _, chunk_size, weights, lse, implementation = raw
+    normalised = options(
         causal=causal,
         window=window,
         scale=scale,
         softcap=softcap,
         dropout=dropout,
-        rng=rng,
         chunk_size=chunk_size,
         return_weights=weights,
         return_lse=lse,
+        implementation=implementation,
+    )
+    return validate_call(
+        q,
+        k,
+        v,
+        normalised,
+        mask=mask,
+        bias=bias,
+        rng=rng,
         sinks=sinks,
         segment_ids=segment_ids,
         score_mod=score_mod,
         mask_mod=mask_mod,
     )
-    path = choose(call, check_implementation(implementation)).path
-    return (call, *_runner(call, path))
 
 
-def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
-    """The function that runs ``call`` on ``path``, built once per memo entry: a fused
-    kernel of ``(q, k, v)`` alone where the adapter can bind everything else (one Python
-    call less), else a runner of all the arguments (None in the other slot).
+def run_call(
+    call: Call,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    bias: Any = None,
+    rng: Any = None,
+    sinks: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+) -> Any:
+    """Run a validated ``call`` on its arrays (or on slices of the arrays it validated,
+    with :func:`portable_attention._spec.describe`'s call of them): planned, then run as
+    :func:`attend` runs it. The internal entry of the ring's blocks."""
+    runner = _runner(call, choose(call).path)
+    if runner.kernel is not None:
+        return runner.kernel(q, k, v)
+    if not call.modded and sinks is None:
+        return runner.run(q, k, v, mask, bias, rng)
+    mods = _mods.prepare(call, segment_ids, score_mod, mask_mod)
+    return runner.run(q, k, v, mask, bias, rng, mods, sinks)
+
+
+class Runnable(NamedTuple):
+    """How a validated call runs (a memo entry): ``run(q, k, v, mask, bias, rng,
+    mods=None, sinks=None)``, or where it is not None ``kernel(q, k, v)``, a fused kernel
+    with everything else bound (one Python call less)."""
+
+    run: Runner
+    kernel: Prepared | None
+
+
+def _runner(call: Call, path: str) -> Runnable:
+    """How ``call`` runs on ``path``, built once per memo entry: a runner of all the
+    arguments, and a fused kernel of ``(q, k, v)`` alone where the adapter can bind
+    everything else.
 
     Everything that depends only on the call (the adapter, the path, the kernel's fixed
     arguments) is bound here, so a repeated call pays for the kernel and little else.
@@ -243,15 +256,12 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
     if path.startswith("fused"):
         fused = backend.fused
         assert fused is not None
-        kernel = fused.prepare(call) if not call.seeded else None
-        if kernel is not None:
-            return None, kernel
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
             return _pack(call, *fused.run(call, q, k, v, mask, bias, None, None))
 
-        return run_fused, None
+        return Runnable(run_fused, fused.prepare(call) if not call.seeded else None)
 
     if path.startswith("native"):
         native = backend.native
@@ -272,7 +282,7 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
                 call, *_with_sinks(call, sinks, *native.run(call, q, k, v, mask, bias, keep, mods))
             )
 
-        return run_native, None
+        return Runnable(run_native, None)
 
     if path in BLOCKWISE_PATHS:
 
@@ -290,7 +300,7 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
             out, lse = backend.blockwise(call, q, k, v, mask, bias, keep, mods)
             return _pack(call, *_with_sinks(call, sinks, out, None, lse))
 
-        return run_blockwise, None
+        return Runnable(run_blockwise, None)
 
     scores = backend.scores(call.xp)
 
@@ -301,7 +311,7 @@ def _runner(call: Call, path: str) -> tuple[Runner | None, Prepared | None]:
         result = _core.dense(call, q, k, v, mask, bias, keep, scores=scores, mods=mods)
         return _pack(call, *_with_sinks(call, sinks, *result))
 
-    return run, None
+    return Runnable(run, None)
 
 
 def _with_sinks(call: Call, sinks: Any, out: Any, weights: Any, lse: Any) -> tuple[Any, Any, Any]:
@@ -349,10 +359,14 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
     ``implementation="fused"`` raises ``ValueError`` with the reason where no fused
     kernel applies.
     """
-    implementation = check_implementation(kwargs.pop("implementation", "auto"))
-    call = validate_call(q, k, v, **kwargs)  # sinks, segment_ids and the mods too
-    _keep_mask(call, kwargs.get("rng"))
-    return choose(call, implementation)
+    arrays = {name: kwargs.pop(name) for name in _NOT_OPTIONS if name in kwargs}
+    call = validate_call(q, k, v, options(**kwargs), **arrays)
+    _keep_mask(call, arrays.get("rng"))
+    return choose(call)
+
+
+#: attend's keywords that are not options: arrays, the rng and the functions.
+_NOT_OPTIONS = ("mask", "bias", "rng", "sinks", "segment_ids", "score_mod", "mask_mod")
 
 
 def attend_backward(
@@ -431,25 +445,50 @@ def attend_backward(
     """
     if score_mod is not None:
         raise _mods.backward_score_mod_error()
-    call = validate_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
+    normalised = options(
         causal=causal,
         window=window,
         scale=scale,
         softcap=softcap,
         dropout=dropout,
-        rng=rng,
         chunk_size=chunk_size,
         return_lse=True,
+    )
+    call = validate_call(
+        q,
+        k,
+        v,
+        normalised,
+        mask=mask,
+        bias=bias,
+        rng=rng,
         sinks=sinks,
         segment_ids=segment_ids,
         mask_mod=mask_mod,
     )
     _blockwise.check_backward_arrays(call, q, dout=dout, out=out, lse=lse, dlse=dlse)
+    return run_backward(
+        call, dout, q, k, v, out, lse, mask, bias, rng, dlse, sinks, segment_ids, mask_mod
+    )
+
+
+def run_backward(
+    call: Call,
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    mask: Any = None,
+    bias: Any = None,
+    rng: Any = None,
+    dlse: Any = None,
+    sinks: Any = None,
+    segment_ids: Any = None,
+    mask_mod: Any = None,
+) -> Grads:
+    """:func:`attend_backward` of a validated ``call`` (as :func:`run_call`)."""
     keep = _block_keep(call, rng)
     mods = _mods.prepare(call, segment_ids, None, mask_mod)
     return adapter(call.backend).blockwise_backward(

@@ -107,8 +107,9 @@ def _decide(call: Call, implementation: str) -> Plan:
     return _portable(call, why)
 
 
-def choose(call: Call, implementation: str) -> Plan:
+def choose(call: Call) -> Plan:
     """The plan for ``call``; ``implementation="fused"`` raises where none applies."""
+    implementation = call.implementation
     # A block plan's blocks (a new one per batch of documents, say) would fill the cache
     # with layouts of up to a few MB each: such calls are decided afresh (it is quick).
     if call.blocks is not None or adapter(call.backend).tracing():

@@ -1,7 +1,9 @@
 """The contract of ``attend``: the call's description (:class:`Call`) and its checks.
 
-:func:`validate_call` turns the raw arguments of :func:`portable_attention.attend` into a
-:class:`Call`: the array namespace, the shapes, dtypes and the normalised options. It
+:func:`validate_call` turns the arrays and functions of a call of
+:func:`portable_attention.attend`, with its options already normalised
+(:func:`portable_attention._options.options`), into a :class:`Call`: the array namespace,
+the shapes, dtypes and the options. It
 looks only at shapes, dtypes, types and Python option values, never at array data, so
 it runs unchanged under ``jax.jit`` and ``torch.compile``. Every message names the
 argument, shows what was passed and says what to do.
@@ -10,9 +12,8 @@ argument, shows what was passed and says what to do.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,21 +22,8 @@ import array_api_compat
 if TYPE_CHECKING:
     from portable_attention._block_plan import BlockLayout
 
-from portable_attention._checks import (
-    as_int,
-    broadcasts,
-    check_dropout,
-    flag,
-    is_kind,
-    is_numpy_bool,
-    real_number,
-    shape_of,
-    type_name,
-)
-
-CAUSAL_ALIGNMENTS = ("lower_right", "upper_left")
-
-IMPLEMENTATIONS = ("auto", "portable", "fused")
+from portable_attention._checks import broadcasts, is_kind, shape_of, type_name
+from portable_attention._options import Options, default_scale
 
 
 @dataclass(frozen=True)
@@ -52,15 +40,12 @@ class Call:
     v_shape: tuple[int, ...]
     mask_shape: tuple[int, ...] | None
     bias_shape: tuple[int, ...] | None
-    causal: str | None
-    window: tuple[int | None, int | None] | None
+    #: The call's options, normalised (:mod:`portable_attention._options`).
+    options: Options
+    #: The score scale: the given one, or ``1 / sqrt(Dk)``.
     scale: float
-    softcap: float | None
-    dropout: float
+    #: Whether an ``rng`` was passed.
     seeded: bool
-    chunk_size: int | None
-    return_weights: bool
-    return_lse: bool
     #: Shape of ``sinks`` (None: no sinks).
     sinks_shape: tuple[int, ...] | None = None
     #: ``segment_ids``: "self" (one array for q and k), "pair" (``(q_ids, kv_ids)``), None.
@@ -78,6 +63,38 @@ class Call:
         # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).
         fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
         return hash((fields[:2], hashable_device(self.device), fields[3:]))
+
+    @property
+    def causal(self) -> str | None:
+        return self.options.causal
+
+    @property
+    def window(self) -> tuple[int | None, int | None] | None:
+        return self.options.window
+
+    @property
+    def softcap(self) -> float | None:
+        return self.options.softcap
+
+    @property
+    def dropout(self) -> float:
+        return self.options.dropout
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.options.chunk_size
+
+    @property
+    def return_weights(self) -> bool:
+        return self.options.return_weights
+
+    @property
+    def return_lse(self) -> bool:
+        return self.options.return_lse
+
+    @property
+    def implementation(self) -> str:
+        return self.options.implementation
 
     @property
     def align(self) -> str:
@@ -367,153 +384,76 @@ def check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tupl
             raise ValueError(msg)
 
 
-def normalize_causal(causal: object) -> str | None:
-    """``False -> None``, ``True -> "lower_right"`` (NumPy's bools too), a known alignment
-    string -> itself."""
-    if is_numpy_bool(causal):
-        causal = bool(causal)
-    if causal is False:
-        return None
-    if causal is True:
-        return "lower_right"
-    if isinstance(causal, str):
-        if causal in CAUSAL_ALIGNMENTS:
-            return causal
-        msg = f"`causal` must be True, False, 'lower_right' or 'upper_left', got {causal!r}."
-        raise ValueError(msg)
-    msg = (
-        "`causal` must be True, False, 'lower_right' or 'upper_left', "
-        f"got {causal!r} of type {type_name(causal)}."
-    )
-    raise TypeError(msg)
-
-
-def normalize_align(align: object) -> str:
-    """Check the ``align=`` of the mask builders."""
-    if align not in CAUSAL_ALIGNMENTS:
-        msg = f"`align` must be 'lower_right' or 'upper_left', got {align!r}."
-        raise ValueError(msg)
-    return str(align)
-
-
-def normalize_window(window: object) -> tuple[int | None, int | None] | None:
-    """``None``, an int ``w`` (means ``(w, w)``) or ``(left, right)`` of ints >= 0 / None."""
-    if window is None:
-        return None
-    sides: Sequence[object]
-    if as_int(window) is not None:
-        sides = (window, window)
-    elif isinstance(window, (tuple, list)) and len(window) == 2:
-        sides = window
-    else:
-        msg = (
-            "`window` must be an int w (meaning (w, w)) or a pair (left, right) of ints >= 0 "
-            f"or None (unbounded), got {window!r}."
-        )
-        raise ValueError(msg)
-    ints = [None if side is None else as_int(side) for side in sides]
-    for side, number in zip(sides, ints, strict=True):
-        if side is not None and (number is None or number < 0):
-            why = "; a negative window keeps no key" if number is not None else ""
-            msg = f"`window` sides must be ints >= 0 or None (unbounded), got {window!r}{why}."
-            raise ValueError(msg)
-    return (ints[0], ints[1])
-
-
-def default_scale(dk: int) -> float:
-    """The score scale when ``scale=None``: ``1 / sqrt(Dk)`` (1 for ``Dk == 0``)."""
-    return 1.0 / math.sqrt(dk) if dk > 0 else 1.0
-
-
-def _check_options(
-    scale: object, softcap: object, dropout: object, dk: int
-) -> tuple[float, float | None, float]:
-    if scale is None:
-        scale_f = default_scale(dk)
-    else:
-        scale_f = real_number("scale", scale)
-        if not 0 < scale_f < math.inf:  # comparisons only: torch.compile traces them on
-            # symbolic floats (dynamic=True), math.isfinite it cannot
-            msg = (
-                f"`scale` must be a finite number > 0 (or None for 1/sqrt(Dk)), got {scale!r}; "
-                "0 would weigh every key alike and a negative scale inverts the attention "
-                "(check for an integer division such as `1 // d`)."
-            )
-            raise ValueError(msg)
-    softcap_f = None
-    if softcap is not None:
-        softcap_f = real_number("softcap", softcap)
-        if not 0 < softcap_f < math.inf:  # NaN fails both; as scale's, traceable
-            msg = f"`softcap` must be a finite number > 0 (or None), got {softcap!r}."
-            raise ValueError(msg)
-    return scale_f, softcap_f, check_dropout(dropout)
-
-
-def _check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
-    if chunk_size is None:
-        return None
-    size = as_int(chunk_size)
-    if size is None or size <= 0:
-        msg = f"`chunk_size` must be an int > 0 (or None for automatic), got {chunk_size!r}."
-        raise ValueError(msg)
-    if return_weights:
-        msg = (
-            "`chunk_size` asks for the chunked path, which never holds the whole weight "
-            "matrix: drop `return_weights=True` or `chunk_size`."
-        )
-        raise ValueError(msg)
-    return size
-
-
-def check_implementation(implementation: object) -> str:
-    """``"auto"``, ``"portable"`` or ``"fused"``."""
-    if implementation not in IMPLEMENTATIONS:
-        msg = f"`implementation` must be 'auto', 'portable' or 'fused', got {implementation!r}."
-        raise ValueError(msg)
-    return str(implementation)
-
-
 def validate_call(
     q: Any,
     k: Any,
     v: Any,
+    options: Options,
     *,
     mask: Any = None,
     bias: Any = None,
-    causal: object = False,
-    window: object = None,
-    scale: object = None,
-    softcap: object = None,
-    dropout: object = 0.0,
     rng: object = None,
-    chunk_size: object = None,
-    return_weights: object = False,
-    return_lse: object = False,
     sinks: Any = None,
     segment_ids: Any = None,
     score_mod: object = None,
     mask_mod: object = None,
 ) -> Call:
-    """Check every argument of ``attend``; return the normalised :class:`Call`."""
-    weights_f, lse_f = flag("return_weights", return_weights), flag("return_lse", return_lse)
+    """Check every array and function of a call of ``attend`` with these (already
+    normalised) ``options``; return its :class:`Call`."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x is None:  # check_arrays skips None (mask, bias): q, k, v are required
             _type_info(name, x)
     q_ids, kv_ids, segments = _segment_arrays(segment_ids)
     id_names = ("segment_ids", "") if segments == "self" else ("segment_ids[0]", "segment_ids[1]")
     ids = {id_names[0]: q_ids, id_names[1]: kv_ids} if segments is not None else {}
-    xp, backend, device = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias, sinks=sinks, **ids)
+    xp, _, _ = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias, sinks=sinks, **ids)
     _check_dtypes(xp, q, k, v)
     _check_shapes(q, k, v)
-    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
-    score_shape = (*qs[:-1], ks[-2])
-    check_mask_bias(xp, mask, bias, q.dtype, score_shape)
-    scale_f, softcap_f, dropout_f = _check_options(scale, softcap, dropout, qs[-1])
+    qs, ks = shape_of(q), shape_of(k)
+    check_mask_bias(xp, mask, bias, q.dtype, (*qs[:-1], ks[-2]))
     if sinks is not None:
         _check_sinks(xp, sinks, q.dtype, qs)
     if segments is not None:
         _check_segment_ids(xp, q_ids, kv_ids, segments, qs, ks)
-    plan = _check_mods(score_mod, mask_mod, qs, ks, chunk_size)
+    plan = _check_mods(score_mod, mask_mod, qs, ks, options.chunk_size)
+    return describe(
+        options,
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        seeded=rng is not None,
+        sinks=sinks,
+        segments=segments,
+        score_mod=score_mod is not None,
+        mask_mod=mask_mod is not None,
+        blocks=None if plan is None else plan.layout,
+    )
+
+
+def describe(
+    options: Options,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    seeded: bool = False,
+    sinks: Any = None,
+    segments: str | None = None,
+    score_mod: bool = False,
+    mask_mod: bool = False,
+    blocks: BlockLayout | None = None,
+) -> Call:
+    """The :class:`Call` of arrays known to be valid (checked by :func:`validate_call`, or
+    slices of arrays it checked): shapes, dtypes and device read, nothing checked again."""
+    xp, backend, get_device = _type_info("q", q)
+    device = get_device(q)
+    if _placement(device) is not device:  # sharded: as check_arrays
+        device = None
+    qs = shape_of(q)
     return Call(
         xp=xp,
         backend=backend,
@@ -521,24 +461,18 @@ def validate_call(
         dtype=q.dtype,
         compute_dtype=compute_dtype_for(xp, q.dtype),
         q_shape=qs,
-        k_shape=ks,
-        v_shape=vs,
+        k_shape=shape_of(k),
+        v_shape=shape_of(v),
         mask_shape=None if mask is None else shape_of(mask),
         bias_shape=None if bias is None else shape_of(bias),
-        causal=normalize_causal(causal),
-        window=normalize_window(window),
-        scale=scale_f,
-        softcap=softcap_f,
-        dropout=dropout_f,
-        seeded=rng is not None,
-        chunk_size=_check_chunk_size(chunk_size, weights_f),
-        return_weights=weights_f,
-        return_lse=lse_f,
+        options=options,
+        scale=default_scale(qs[-1]) if options.scale is None else options.scale,
+        seeded=seeded,
         sinks_shape=None if sinks is None else shape_of(sinks),
         segments=segments,
-        score_mod=score_mod is not None,
-        mask_mod=mask_mod is not None,
-        blocks=None if plan is None else plan.layout,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        blocks=blocks,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import array_api_compat
 
-from portable_attention import _spec
+from portable_attention import _options, _spec
 from portable_attention._block_plan import BlockLayout, BlockPlan, block_plan
 from portable_attention._checks import as_int, broadcast_shape, is_kind, shape_of
 from portable_attention._spec import check_arrays, namespace_of
@@ -121,7 +121,7 @@ def causal_mask(
     """
     lq = _check_length("lq", lq)
     lk = lq if lk is None else _check_length("lk", lk)
-    align = _spec.normalize_align(align)
+    align = _options.normalize_align(align)
     return band(_namespace(xp), lq, lk, left=None, right=0, align=align, device=device)
 
 
@@ -142,8 +142,8 @@ def window_mask(
     """
     lq = _check_length("lq", lq)
     lk = _check_length("lk", lk)
-    align = _spec.normalize_align(align)
-    left, right = _check_window_sides(_spec.normalize_window(window))
+    align = _options.normalize_align(align)
+    left, right = _check_window_sides(_options.normalize_window(window))
     return band(_namespace(xp), lq, lk, left=left, right=right, align=align, device=device)
 
 

@@ -745,7 +745,7 @@ def test_one_kernel_two_loops(options: dict[str, Any]) -> None:
     backward's folded columns: the products then round another way, within 1e-13.)"""
     import jax
     import jax.numpy as jnp
-    from portable_attention import _blockwise, _mods, _spec
+    from portable_attention import _blockwise, _mods, _options, _spec
     from portable_attention._block_loop import BlockLoop
     from portable_attention.backends import jax as jax_backend
 
@@ -769,8 +769,8 @@ def test_one_kernel_two_loops(options: dict[str, Any]) -> None:
     segment_ids = kwargs.pop("segment_ids", None)
     mask_mod = kwargs.pop("mask_mod", None)
     call = _spec.validate_call(
-        q, k, v, bias=bias, chunk_size=16, return_lse=True, segment_ids=segment_ids,
-        mask_mod=mask_mod, **kwargs,
+        q, k, v, _options.options(chunk_size=16, return_lse=True, **kwargs), bias=bias,
+        segment_ids=segment_ids, mask_mod=mask_mod,
     )  # fmt: skip
     mods = _mods.prepare(call, segment_ids, None, mask_mod)
     dout = jnp.asarray(randn(rng, (2, 2, 37, 8)))

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import _core, attend, plan
+from portable_attention._options import options
 from portable_attention._spec import validate_call
 from portable_attention.backends import numpy as numpy_backend
 
@@ -677,7 +678,7 @@ def test_band_that_keeps_every_score_builds_no_mask(causal: Any, window: Any) ->
     kernels keep their mask-free path; a band that drops a score always gets its mask."""
     for lq, lk in itertools.product(range(1, 5), repeat=2):
         q, k = np.zeros((2, lq, 3)), np.zeros((2, lk, 3))
-        call = validate_call(q, k, k, causal=causal, window=window)
+        call = validate_call(q, k, k, options(causal=causal, window=window))
         keeps_all = bool(oracle.allowed_positions(lq, lk, causal=causal, window=window).all())
         assert _core.band_keeps_all(call) == keeps_all, (lq, lk)
         assert (_core.structural_mask(call) is None) == keeps_all, (lq, lk)
@@ -689,7 +690,7 @@ def test_torch_decode_step_with_causal_runs_sdpa_without_a_mask() -> None:
     flag (a mask of all True cost the decode step 2-3x here)."""
     backend = BY_NAME["torch"]
     q, k, v = _qkv(backend, (1, 8, 1, 16), (1, 8, 40, 16), "float32")
-    call = validate_call(q, k, v, causal=True)
+    call = validate_call(q, k, v, options(causal=True))
     assert _core.kernel_mask(call, None, None) == (None, False)
     ref_out, _, _ = oracle.attention(*(backend.to_numpy(x) for x in (q, k, v)), causal=True)
     assert_close(backend.to_numpy(attend(q, k, v, causal=True)), ref_out, "float32")
@@ -744,9 +745,9 @@ def test_calls_and_memo_keys_on_a_device_type_that_is_not_hashable() -> None:
     from portable_attention import _memo, _plan
 
     q = np.ones((1, 2, 4, 8), dtype=np.float32)
-    call = validate_call(q, q, q)
+    call = validate_call(q, q, q, options(implementation="portable"))
     on = [dataclasses.replace(call, device=_UnhashableDevice(n)) for n in (0, 0, 1)]
     assert hash(on[0]) == hash(on[1]) and on[0] == on[1] and on[0] != on[2]
-    assert _plan.choose(on[0], "portable").path == "portable"
+    assert _plan.choose(on[0]).path == "portable"
     key = _memo._generic_key(lambda x: _UnhashableDevice(0))
     assert hash(key(q)) == hash(key(q))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from portable_attention import _block_grid, _blockwise, _core, _mods, _spec
 from portable_attention._block_math import BlockMath
 from portable_attention._core import KeepMask
+from portable_attention._options import Options, default_scale
 from portable_attention.backends._base import Adapter, Kernel
 
 NAME = "torch"
@@ -80,10 +81,12 @@ def _block_keep(rng: Any, p: float, device: Any) -> SeededKeep:
 #: The options of a call as the custom operators take them (schema types only):
 #: causal ("" for none), window sides (-1: unbounded; both -1 and no window: none),
 #: scale, softcap (0.0: none), dropout, seed (-1: no dropout), block length.
-_Options = tuple[str, int, int, bool, float, float, float, int, int]
+_Schema = tuple[str, int, int, bool, float, float, float, int, int]
 
 
-def _options(call: _spec.Call, keep: SeededKeep | None) -> _Options:
+def _to_schema(call: _spec.Call, keep: SeededKeep | None) -> _Schema:
+    """The custom operators' arguments for ``call``'s options (:func:`_from_schema`
+    inverts it)."""
     left, right = call.window if call.window is not None else (None, None)
     wide = call.q_shape[-2] + call.k_shape[-2]  # no distance on the grid is larger: a
     # wider side (up to 2**70 is valid) means the same and fits the schema's int64
@@ -98,6 +101,27 @@ def _options(call: _spec.Call, keep: SeededKeep | None) -> _Options:
         -1 if keep is None else keep.seed,
         _block_grid.block_size(call),
     )
+
+
+def _from_schema(
+    q: Any, k: Any, v: Any, mask: Any, bias: Any, schema: _Schema
+) -> tuple[_spec.Call, SeededKeep | None]:
+    """The call (and keep masks) that :func:`_to_schema` wrote, on the operator's
+    arguments: the options as they were normalised, nothing checked again."""
+    causal, left, right, windowed, scale, softcap, dropout, seed, size = schema
+    window = (None if left < 0 else left, None if right < 0 else right) if windowed else None
+    options = Options(
+        causal=causal or None,
+        window=window,
+        scale=scale,
+        softcap=softcap or None,
+        dropout=dropout,
+        chunk_size=size,
+        return_lse=True,
+    )
+    call = _spec.describe(options, q, k, v, mask=mask, bias=bias)
+    keep = None if seed < 0 else SeededKeep(seed, dropout, q.device)
+    return call, keep
 
 
 class InPlaceMath(BlockMath):
@@ -196,32 +220,8 @@ def _fits(block: Any, x: Any) -> bool:
     )
 
 
-def _call_of(
-    q: Any, k: Any, v: Any, mask: Any, bias: Any, options: _Options
-) -> tuple[_spec.Call, SeededKeep | None]:
-    """The call (and keep masks) that ``options`` describe, rebuilt inside an operator."""
-    causal, left, right, windowed, scale, softcap, dropout, seed, size = options
-    window = (None if left < 0 else left, None if right < 0 else right) if windowed else None
-    call = _spec.validate_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal or False,
-        window=window,
-        scale=scale,
-        softcap=softcap or None,
-        dropout=dropout,
-        chunk_size=size,
-        return_lse=True,
-    )
-    keep = None if seed < 0 else SeededKeep(seed, dropout, q.device)
-    return call, keep
-
-
-def _forward_impl(q: Any, k: Any, v: Any, mask: Any, bias: Any, *options: Any) -> tuple[Any, Any]:
-    call, keep = _call_of(q, k, v, mask, bias, options)
+def _forward_impl(q: Any, k: Any, v: Any, mask: Any, bias: Any, *schema: Any) -> tuple[Any, Any]:
+    call, keep = _from_schema(q, k, v, mask, bias, schema)
     out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep, math=InPlaceMath(call.xp))
     return out.contiguous(), lse.contiguous()
 
@@ -237,9 +237,9 @@ def _backward_impl(
     mask: Any,
     bias: Any,
     want_dbias: bool,
-    *options: Any,
+    *schema: Any,
 ) -> tuple[Any, Any, Any, Any]:
-    call, keep = _call_of(q, k, v, mask, bias, options)
+    call, keep = _from_schema(q, k, v, mask, bias, schema)
     grads = _blockwise.backward(
         call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
         math=InPlaceMath(call.xp),
@@ -275,7 +275,7 @@ if _HAS_CUSTOM_OP:
         )
 
     @_forward_op.register_fake
-    def _(q: Any, k: Any, v: Any, mask: Any, bias: Any, *options: Any) -> tuple[Any, Any]:
+    def _(q: Any, k: Any, v: Any, mask: Any, bias: Any, *schema: Any) -> tuple[Any, Any]:
         lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         return (
             q.new_empty((*q.shape[:-1], v.shape[-1])),
@@ -312,7 +312,7 @@ if _HAS_CUSTOM_OP:
     @_backward_op.register_fake
     def _(
         dout: Any, dlse: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any,
-        bias: Any, want_dbias: bool, *options: Any,
+        bias: Any, want_dbias: bool, *schema: Any,
     ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
         dbias = bias.new_empty(bias.shape) if want_dbias and bias is not None else q.new_empty((0,))
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
@@ -342,7 +342,7 @@ class BlockwiseFunction(torch.autograd.Function):
         mods: Any,
     ) -> tuple[Any, Any]:
         if _HAS_CUSTOM_OP and mods is None:
-            out, lse = _forward_op(q, k, v, mask, bias, *_options(call, keep))
+            out, lse = _forward_op(q, k, v, mask, bias, *_to_schema(call, keep))
         else:
             out, lse = _blockwise.forward(
                 call,
@@ -375,7 +375,7 @@ class BlockwiseFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if _HAS_CUSTOM_OP and mods is None and not torch.is_grad_enabled():
             dq, dk, dv, dbias = _backward_op(
-                dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_options(call, keep)
+                dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_to_schema(call, keep)
             )
             return dq, dk, dv, None, dbias if want_dbias else None, None, None, None
         grads = _blockwise.backward(
@@ -501,7 +501,7 @@ def _prepare(call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
         bound["dropout_p"] = call.dropout
     if is_causal:
         bound["is_causal"] = True
-    if call.scale != _spec.default_scale(call.q_shape[-1]):
+    if call.scale != default_scale(call.q_shape[-1]):
         bound["scale"] = call.scale
     if not bound:  # SDPA itself: one Python call less than a partial of nothing
         return F.scaled_dot_product_attention

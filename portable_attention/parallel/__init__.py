@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from portable_attention import _spec
+from portable_attention import _options, _spec
 from portable_attention._checks import type_name
 from portable_attention._core import add_sinks
 from portable_attention.parallel._layout import (
@@ -151,18 +151,15 @@ def ring_attend(
     ``q, k, v, out, lse`` of the local shard (``O(L/P * D)`` per device).
     """
     layout = check_layout(layout)
-    call = _spec.validate_call(
-        q,
-        k,
-        v,
+    options = _options.options(
         causal=causal,
         window=window,
         scale=scale,
         softcap=softcap,
         chunk_size=chunk_size,
         return_lse=return_lse or sinks is not None,
-        sinks=sinks,
     )
+    call = _spec.validate_call(q, k, v, options, sinks=sinks)
     _where(call.backend, axis_name, group, "ring_attend")
     module = _framework(call.backend, "ring_attend")
     link = axis_name if call.backend == "jax" else group
@@ -445,6 +442,6 @@ def schedule(
         name,
         int(q_length),
         int(k_length),
-        _spec.normalize_causal(causal),
-        _spec.normalize_window(window),
+        _options.normalize_causal(causal),
+        _options.normalize_window(window),
     )

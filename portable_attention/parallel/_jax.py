@@ -23,6 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from portable_attention import _spec
+from portable_attention._options import Options
 from portable_attention.parallel import _layout, _ring
 from portable_attention.parallel._schedule import Block, Schedule, Step, schedule
 
@@ -95,7 +96,7 @@ def _per_shard(
 
 
 def _forward(
-    axis_name: Any, plan: Schedule, options: _ring.Options, q: Any, k: Any, v: Any
+    axis_name: Any, plan: Schedule, options: Options, q: Any, k: Any, v: Any
 ) -> tuple[Any, Any]:
     """``(out, lse)`` of the local query rows, in the compute dtype."""
     xp = _xp()
@@ -131,7 +132,7 @@ def _forward(
 def _backward(
     axis_name: Any,
     plan: Schedule,
-    options: _ring.Options,
+    options: Options,
     residuals: tuple[Any, ...],
     cotangents: tuple[Any, Any],
 ) -> tuple[Any, Any, Any]:
@@ -168,7 +169,7 @@ def _backward(
 
 
 @functools.lru_cache(maxsize=128)
-def _ring_function(axis_name: Any, plan: Schedule, options: _ring.Options) -> Any:
+def _ring_function(axis_name: Any, plan: Schedule, options: Options) -> Any:
     """The ring's ``custom_vjp`` function of ``(q, k, v) -> (out, lse)`` for one
     configuration (cached: a repeated trace reuses it)."""
 
@@ -200,7 +201,7 @@ def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, axis_name: Any, layout
         lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
     )
     plan = schedule(size, layout, lq, lk, call.causal, call.window)
-    options = _ring.Options.of(call)
+    options = call.options
     out, lse = _ring_function(axis_name, plan, options)(q, k, v)
     return (out, lse) if call.return_lse else out
 

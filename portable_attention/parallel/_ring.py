@@ -5,54 +5,38 @@ The framework modules (:mod:`._jax`, :mod:`._torch`) move K/V shards around the 
 choose each shard's blocks from the :class:`~._schedule.Schedule`; the arithmetic of a
 step is here, once, in the namespace of the arrays.
 
-Forward: each block is ``attend(q[rows], k[cols], v[cols], causal=..., window=...,
-return_lse=True)`` on the local query rows and the visiting K/V shard, merged into the
-running ``(out, lse)`` of the local rows with the guarded merge of :mod:`._merge`.
+Forward: each block is what ``attend(q[rows], k[cols], v[cols], causal=..., window=...,
+return_lse=True)`` computes on the local query rows and the visiting K/V shard, merged
+into the running ``(out, lse)`` of the local rows with the guarded merge of
+:mod:`._merge`. Not the public ``attend``: the ring's call was validated once, so each
+block runs the internal entry (:func:`portable_attention._attention.run_call`) on the
+ring's :class:`~portable_attention._options.Options` with the block's band.
 
 Backward (FlashAttention-2's, which decomposes exactly over key blocks given the global
-``out`` and ``lse`` of the query rows): each block is ``attend_backward(dout[rows], q[rows],
-k[cols], v[cols], out[rows], lse[rows], ...)``; ``dq`` accumulates locally and ``dk``/``dv``
-accumulate into buffers that travel the ring with their K/V shard.
+``out`` and ``lse`` of the query rows): each block is what ``attend_backward(dout[rows],
+q[rows], k[cols], v[cols], out[rows], lse[rows], ...)`` computes
+(:func:`~portable_attention._attention.run_backward`); ``dq`` accumulates locally and
+``dk``/``dv`` accumulate into buffers that travel the ring with their K/V shard.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
-from portable_attention._spec import Call
+from portable_attention._attention import run_backward, run_call
+from portable_attention._options import Options
+from portable_attention._spec import Call, describe
 from portable_attention.parallel._merge import add_rows, merge_rows
 from portable_attention.parallel._schedule import Block
 
 
-@dataclass(frozen=True)
-class Options:
-    """The options of a ring call that reach every block (hashable: part of the JAX
-    custom-gradient function's cache key)."""
-
-    scale: float
-    softcap: float | None
-    chunk_size: int | None
-    return_lse: bool
-
-    @classmethod
-    def of(cls, call: Call) -> Options:
-        return cls(
-            scale=call.scale,
-            softcap=call.softcap,
-            chunk_size=call.chunk_size,
-            return_lse=call.return_lse,
-        )
-
-    def block(self, block: Block) -> dict[str, Any]:
-        """attend's keyword arguments for one block."""
-        return {
-            "causal": block.causal,
-            "window": block.window,
-            "scale": self.scale,
-            "softcap": self.softcap,
-            "chunk_size": self.chunk_size,
-        }
+def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any) -> Call:
+    """The call of one block: the ring's options with the block's band and ``lse``, on
+    slices of the arrays the ring's call validated (nothing checked again)."""
+    causal = "lower_right" if block.causal else None
+    changes = dataclasses.replace(options, causal=causal, window=block.window, return_lse=True)
+    return describe(changes, q, k, v)
 
 
 def _rows(x: Any, span: tuple[int, int]) -> Any:
@@ -80,16 +64,9 @@ def forward_blocks(
 ) -> tuple[Any, Any]:
     """The running ``(out, lse)`` of the local query rows after ``blocks`` against the
     visiting ``k``, ``v`` (all in the compute dtype)."""
-    from portable_attention import attend
-
     for block in blocks:
-        part, part_lse = attend(
-            _rows(q, block.rows),
-            _rows(k, block.cols),
-            _rows(v, block.cols),
-            return_lse=True,
-            **options.block(block),
-        )
+        qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
+        part, part_lse = run_call(_block_call(options, block, qb, kb, vb), qb, kb, vb)
         out, lse = merge_rows(xp, out, lse, block.rows, part, part_lse)
     return out, lse
 
@@ -108,20 +85,19 @@ def backward_blocks(
     ``(dout, q, out, lse, dlse)`` of the local rows, ``out`` and ``lse`` the global ones
     (every shard's keys merged); ``dlse`` the cotangent of the returned lse, or None.
     """
-    from portable_attention import attend_backward
-
     dq, dk, dv = grads
     dout, q, out, lse, dlse = saved
     for block in blocks:
-        g = attend_backward(
+        qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
+        g = run_backward(
+            _block_call(options, block, qb, kb, vb),
             _rows(dout, block.rows),
-            _rows(q, block.rows),
-            _rows(k, block.cols),
-            _rows(v, block.cols),
+            qb,
+            kb,
+            vb,
             _rows(out, block.rows),
             _lse_rows(lse, block.rows),
             dlse=None if dlse is None else _lse_rows(dlse, block.rows),
-            **options.block(block),
         )
         dq = add_rows(xp, dq, block.rows, g.dq)
         dk = add_rows(xp, dk, block.cols, g.dk)

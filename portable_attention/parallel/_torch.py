@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from portable_attention import _spec
 from portable_attention._checks import type_name
+from portable_attention._options import Options
 from portable_attention.parallel import _layout, _ring
 from portable_attention.parallel._schedule import Schedule, schedule
 
@@ -113,7 +114,7 @@ class Ring:
     rank: int
     size: int
     plan: Schedule
-    options: _ring.Options
+    options: Options
 
     def peer(self, shift: int) -> int:
         """The global rank ``shift`` places after this one in the group."""
@@ -256,7 +257,7 @@ def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout:
         lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
     )
     plan = schedule(size, layout, lq, lk, call.causal, call.window)
-    ring = Ring(group=resolved, rank=rank, size=size, plan=plan, options=_ring.Options.of(call))
+    ring = Ring(group=resolved, rank=rank, size=size, plan=plan, options=call.options)
     out, lse = _RingFunction.apply(q, k, v, ring)
     return (out, lse) if call.return_lse else out
 
