@@ -261,7 +261,7 @@ def _runner(call: Call, path: str) -> Runnable:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
             return _pack(call, *fused.run(call, q, k, v, mask, bias, None, None))
 
-        return Runnable(run_fused, fused.prepare(call) if not call.seeded else None)
+        return Runnable(run_fused, fused.prepare(call) if not call.rng_given else None)
 
     if path.startswith("native"):
         native = backend.native

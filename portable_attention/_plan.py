@@ -81,7 +81,8 @@ def _portable(call: Call, why: str) -> Plan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _decide(call: Call, implementation: str) -> Plan:
+def _decide(call: Call) -> Plan:
+    implementation = call.implementation
     if call.chunk_size is not None:  # before any kernel: every backend would decline
         return Plan(
             CHUNKED,
@@ -109,13 +110,12 @@ def _decide(call: Call, implementation: str) -> Plan:
 
 def choose(call: Call) -> Plan:
     """The plan for ``call``; ``implementation="fused"`` raises where none applies."""
-    implementation = call.implementation
     # A block plan's blocks (a new one per batch of documents, say) would fill the cache
     # with layouts of up to a few MB each: such calls are decided afresh (it is quick).
     if call.blocks is not None or adapter(call.backend).tracing():
-        plan = _decide.__wrapped__(call, implementation)
+        plan = _decide.__wrapped__(call)
     else:
-        plan = _decide(call, implementation)
-    if implementation == "fused" and not plan.path.startswith("fused"):
+        plan = _decide(call)
+    if call.implementation == "fused" and not plan.path.startswith("fused"):
         raise fused_unavailable_error(plan.reason)
     return plan

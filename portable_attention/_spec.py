@@ -45,7 +45,7 @@ class Call:
     #: The score scale: the given one, or ``1 / sqrt(Dk)``.
     scale: float
     #: Whether an ``rng`` was passed.
-    seeded: bool
+    rng_given: bool
     #: Shape of ``sinks`` (None: no sinks).
     sinks_shape: tuple[int, ...] | None = None
     #: ``segment_ids``: "self" (one array for q and k), "pair" (``(q_ids, kv_ids)``), None.
@@ -423,7 +423,7 @@ def validate_call(
         v,
         mask=mask,
         bias=bias,
-        seeded=rng is not None,
+        rng_given=rng is not None,
         sinks=sinks,
         segments=segments,
         score_mod=score_mod is not None,
@@ -440,7 +440,7 @@ def describe(
     *,
     mask: Any = None,
     bias: Any = None,
-    seeded: bool = False,
+    rng_given: bool = False,
     sinks: Any = None,
     segments: str | None = None,
     score_mod: bool = False,
@@ -467,7 +467,7 @@ def describe(
         bias_shape=None if bias is None else shape_of(bias),
         options=options,
         scale=default_scale(qs[-1]) if options.scale is None else options.scale,
-        seeded=seeded,
+        rng_given=rng_given,
         sinks_shape=None if sinks is None else shape_of(sinks),
         segments=segments,
         score_mod=score_mod,

@@ -450,7 +450,7 @@ def fused_reason(call: _spec.Call) -> str | None:
         return "return_lse needs the logsumexp, which SDPA's public API does not return"
     if call.softcap is not None:
         return "SDPA has no softcap"
-    if call.dropout > 0 and call.seeded:
+    if call.dropout > 0 and call.rng_given:
         return (
             "SDPA draws dropout from torch's global RNG and cannot take `rng` "
             "(pass rng=None to use SDPA's dropout)"
