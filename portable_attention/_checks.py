@@ -6,12 +6,26 @@ import math
 import operator
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
 
 def type_name(x: object) -> str:
     t = type(x)
     return f"{t.__module__}.{t.__qualname__}"
+
+
+def backend_name(x: object) -> str:
+    """The framework of array ``x``: numpy, torch, jax, cupy, else its top-level module."""
+    if array_api_compat.is_numpy_array(x):
+        return "numpy"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    if array_api_compat.is_jax_array(x):
+        return "jax"
+    if array_api_compat.is_cupy_array(x):
+        return "cupy"
+    return type(x).__module__.split(".")[0]
 
 
 def shape_of(x: Any) -> tuple[int, ...]:

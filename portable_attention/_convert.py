@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention._checks import type_name
-from portable_attention._spec import backend_name
+from portable_attention._checks import backend_name, type_name
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "cupy", "array_api_strict")
 """Every name :func:`to_backend` knows, in the order :func:`available_backends` lists them."""

@@ -22,7 +22,7 @@ import array_api_compat
 if TYPE_CHECKING:
     from portable_attention._block_plan import BlockLayout
 
-from portable_attention._checks import broadcasts, is_kind, shape_of, type_name
+from portable_attention._checks import backend_name, broadcasts, is_kind, shape_of, type_name
 from portable_attention._options import Options, default_scale
 
 
@@ -223,19 +223,6 @@ def is_registered(array_type: type) -> bool:
 
 def namespace_of(name: str, x: object) -> Any:
     return _type_info(name, x)[0]
-
-
-def backend_name(x: object) -> str:
-    """The framework of array ``x``: numpy, torch, jax, cupy, else its top-level module."""
-    if array_api_compat.is_numpy_array(x):
-        return "numpy"
-    if array_api_compat.is_torch_array(x):
-        return "torch"
-    if array_api_compat.is_jax_array(x):
-        return "jax"
-    if array_api_compat.is_cupy_array(x):
-        return "cupy"
-    return type(x).__module__.split(".")[0]
 
 
 def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:

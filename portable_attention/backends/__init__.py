@@ -14,7 +14,7 @@ import sys
 
 from portable_attention.backends._base import Adapter
 
-#: Framework name (``portable_attention._spec.backend_name``) -> adapter module.
+#: Framework name (``portable_attention._checks.backend_name``) -> adapter module.
 _MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy"}
 
 
