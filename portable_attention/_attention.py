@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 from portable_attention import _blockwise, _core, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
-from portable_attention._options import options
+from portable_attention._options import Options, options
 from portable_attention._plan import BLOCKWISE_PATHS, Plan, choose
 from portable_attention._spec import Call, validate_call
 from portable_attention.backends import adapter
@@ -360,6 +360,10 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
     kernel applies.
     """
     arrays = {name: kwargs.pop(name) for name in _NOT_OPTIONS if name in kwargs}
+    unknown = sorted(set(kwargs) - set(Options.__dataclass_fields__))
+    if unknown:
+        msg = f"plan() got an unexpected keyword argument {unknown[0]!r}: it takes attend's."
+        raise TypeError(msg)
     call = validate_call(q, k, v, options(**kwargs), **arrays)
     _keep_mask(call, arrays.get("rng"))
     return choose(call)

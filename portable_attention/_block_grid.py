@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from portable_attention import _core, _mods
-from portable_attention import masks as _masks
+from portable_attention import _band, _core, _mods
 from portable_attention._block_loop import BlockLoop
 from portable_attention._core import Operands, operands
 from portable_attention._mods import Mods
@@ -124,7 +123,7 @@ class Pass:
         if not _core.band_keeps_all(call):
             left, right = _core.window_sides(call)
             lq, lk = call.q_shape[-2], call.k_shape[-2]
-            band = _masks.band_at(xp, i, j, lq, lk, left=left, right=right, align=call.align)
+            band = _band.keep_at(i, j, lq, lk, left=left, right=right, align=call.align)
         if self.pad_keys:
             real = j < call.k_shape[-2]
             band = real if band is None else band & real

@@ -139,7 +139,7 @@ def band_keeps_all(call: Call) -> bool:
 def _distances(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:
     """The smallest and largest ``j - p(i)`` over a block: key j's distance from query i's
     aligned position (key j is kept when ``-left <= j - p(i) <= right``)."""
-    offset = call.k_shape[-2] - call.q_shape[-2] if call.align == "lower_right" else 0
+    offset = call.band_offset
     return cols[0] - (rows[1] - 1) - offset, (cols[1] - 1) - rows[0] - offset
 
 
@@ -151,7 +151,7 @@ def key_span(call: Call, rows: tuple[int, int]) -> tuple[int, int]:
     if not call.global_band:
         return 0, lk
     left, right = window_sides(call)
-    offset = lk - call.q_shape[-2] if call.align == "lower_right" else 0
+    offset = call.band_offset
     start = 0 if left is None else max(0, rows[0] + offset - left)
     stop = lk if right is None else min(lk, rows[1] - 1 + offset + right + 1)
     return start, max(start, stop)
@@ -164,7 +164,7 @@ def full_columns(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tu
     if not call.global_band or band_keeps_all(call):
         return cols
     left, right = window_sides(call)
-    offset = call.k_shape[-2] - call.q_shape[-2] if call.align == "lower_right" else 0
+    offset = call.band_offset
     start = cols[0] if left is None else max(cols[0], rows[1] - 1 + offset - left)
     stop = cols[1] if right is None else min(cols[1], rows[0] + offset + right + 1)
     return start, max(start, stop)

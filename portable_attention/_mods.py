@@ -26,7 +26,7 @@ from typing import Any
 
 import array_api_compat
 
-from portable_attention import masks as _masks
+from portable_attention import _band
 from portable_attention._block_plan import check_mod_axes
 from portable_attention._checks import broadcasts, is_kind, shape_of, type_name
 from portable_attention._spec import Call
@@ -196,7 +196,7 @@ def block_mask(
         if mods.q_pos is not None:
             qp = xp.reshape(cut(mods.q_pos, rows), tuple(q_col.shape))
             kp = xp.reshape(cut(mods.kv_pos, cols), tuple(k_row.shape))
-            band = _masks.within(kp - qp, *call.band_sides)
+            band = _band.within(kp - qp, *call.band_sides)
             if band is not None:
                 keep = keep & band
     if mods.mask_mod is not None:

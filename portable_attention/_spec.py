@@ -22,6 +22,7 @@ import array_api_compat
 if TYPE_CHECKING:
     from portable_attention._block_plan import BlockLayout
 
+from portable_attention import _band
 from portable_attention._checks import backend_name, broadcasts, is_kind, shape_of, type_name
 from portable_attention._options import Options, default_scale
 
@@ -104,10 +105,12 @@ class Call:
     @property
     def band_sides(self) -> tuple[int | None, int | None]:
         """``(left, right)`` of the band of ``causal`` and ``window`` (None: unbounded)."""
-        left, right = self.window if self.window is not None else (None, None)
-        if self.causal is not None:
-            right = 0  # causal never looks past the aligned position, whatever the window
-        return left, right
+        return _band.sides(self.causal, self.window)
+
+    @property
+    def band_offset(self) -> int:
+        """Query 0's aligned key position on the ``[Lq, Lk]`` grid (see :mod:`._band`)."""
+        return _band.offset(self.q_shape[-2], self.k_shape[-2], self.align)
 
     @property
     def global_band(self) -> bool:

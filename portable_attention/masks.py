@@ -13,7 +13,7 @@ from typing import Any
 
 import array_api_compat
 
-from portable_attention import _options, _spec
+from portable_attention import _band, _options, _spec
 from portable_attention._block_plan import BlockLayout, BlockPlan, block_plan
 from portable_attention._checks import as_int, broadcast_shape, is_kind, shape_of
 from portable_attention._spec import check_arrays, namespace_of
@@ -63,35 +63,9 @@ def band(
     k0, k1 = cols if cols is not None else (0, lk)
     i = xp.reshape(xp.arange(q0, q1, device=device), (q1 - q0, 1))
     j = xp.reshape(xp.arange(k0, k1, device=device), (1, k1 - k0))
-    keep = band_at(xp, i, j, lq, lk, left=left, right=right, align=align)
+    keep = _band.keep_at(i, j, lq, lk, left=left, right=right, align=align)
     if keep is None:
         return xp.ones((q1 - q0, k1 - k0), dtype=xp.bool, device=device)
-    return keep
-
-
-def band_at(
-    xp: Any, i: Any, j: Any, lq: int, lk: int, *, left: int | None, right: int | None, align: str
-) -> Any:
-    """The band rule, once for every caller: query positions ``i`` and key positions
-    ``j`` (broadcasting integer arrays; a kernel's may start at a traced offset) on the
-    ``[Lq, Lk]`` grid keep ``-left <= j - p(i) <= right`` (see :func:`band`); None where
-    both sides are unbounded."""
-    # No distance on the grid exceeds lq + lk: larger sides mean unbounded, and clamping
-    # keeps them from overflowing (or wrapping in) the framework's integer dtype.
-    left = None if left is None else min(left, lq + lk)
-    right = None if right is None else min(right, lq + lk)
-    offset = lk - lq if align == "lower_right" else 0
-    return within(j - (i + offset), left, right)
-
-
-def within(distance: Any, left: int | None, right: int | None) -> Any:
-    """``-left <= distance <= right`` (None: that side unbounded; None if both are)."""
-    keep = None
-    if left is not None:
-        keep = distance >= -left
-    if right is not None:
-        upper = distance <= right
-        keep = upper if keep is None else keep & upper
     return keep
 
 

@@ -433,3 +433,14 @@ def test_errors_leave_inputs_unmodified(backend: Backend) -> None:
         attend(q, k, v, softcap=-1.0)
     for a, b in zip((q, k, v), before, strict=True):
         np.testing.assert_array_equal(backend.to_numpy(a), b)
+
+
+def test_plan_names_an_unknown_keyword() -> None:
+    """``plan`` takes attend's keywords: a misspelt one is a TypeError naming it, as
+    ``attend`` itself gives (not a silent default)."""
+    q = np.ones((1, 2, 4, 8))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual'"):
+        attend(q, q, q, casual=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="plan\\(\\) got an unexpected keyword argument 'casual'"):
+        plan(q, q, q, casual=True)
+    assert plan(q, q, q, causal=True, sinks=np.zeros(2)).path.startswith(("portable", "native"))

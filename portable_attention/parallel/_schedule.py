@@ -26,6 +26,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from portable_attention import _band
 from portable_attention.parallel._layout import chunks, pieces
 
 #: A band of diagonals ``lo <= j - i <= hi`` in some block's local coordinates
@@ -116,10 +117,9 @@ def band_of(
     """``(left, right, offset)`` of the global band: key ``j`` is kept for query ``i``
     when ``-left <= j - (i + offset) <= right`` (as :func:`portable_attention.attend`:
     causal caps ``right`` at 0; lower-right alignment unless ``"upper_left"``)."""
-    left, right = window if window is not None else (None, None)
-    if causal is not None:
-        right = 0
-    offset = k_length - q_length if causal != "upper_left" else 0
+    left, right = _band.sides(causal, window)
+    align = "upper_left" if causal == "upper_left" else "lower_right"
+    offset = _band.offset(q_length, k_length, align)
     return (
         math.inf if left is None else float(left),
         math.inf if right is None else float(right),
