@@ -13,11 +13,11 @@ detected by its type, and that call is validated in full and not memoised.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 from portable_attention import _spec
+from portable_attention.backends import adapter
 
 #: Entries per array type. When a full table takes a new entry, its oldest quarter goes
 #: (insertion order). A hit only reads: it must stay traceable by ``torch.compile``,
@@ -29,44 +29,6 @@ MAX_ENTRIES = 4096
 _KEYABLE = frozenset({bool, int, float, str, type(None)})
 
 _tables: dict[type, dict[Any, Any]] = {}
-
-
-def _torch_key(x: Any) -> tuple[Any, ...] | None:
-    # The layout tells sparse tensors from dense ones of the same shape: validation
-    # refuses those, so the memo must never take one for the other. A nested tensor
-    # (strided ones have no sizes to read) has no key: validation names it. (A plain
-    # function: torch.compile traces this, and cannot trace ``operator.attrgetter``.)
-    if x.is_nested:
-        return None
-    return (x.shape, x.dtype, x.device, x.layout)
-
-
-def _torch_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
-    # Flat: one tuple to build and hash. A repeated torch call sits right after a kernel
-    # that has flushed the caches, where every Python step of the key costs: right after
-    # SDPA, one getter for q, k and v took 1.6-2.2 us where three took 1.8-2.7.
-    if q.is_nested or k.is_nested or v.is_nested:
-        return None
-    return (
-        type(k),
-        type(v),
-        q.shape,
-        q.dtype,
-        q.device,
-        q.layout,
-        k.shape,
-        k.dtype,
-        k.device,
-        k.layout,
-        v.shape,
-        v.dtype,
-        v.device,
-        v.layout,
-    )
-
-
-def _numpy_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
-    return (type(k), type(v), q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype)
 
 
 def _generic_key(get_device: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
@@ -85,14 +47,6 @@ def _generic_qkv_key(get_device: Callable[[Any], Any]) -> Callable[[Any, Any, An
     return key
 
 
-_KEY_GETTERS: dict[str, Callable[[Any], tuple[Any, ...] | None]] = {
-    "numpy": operator.attrgetter("shape", "dtype"),  # always on the CPU
-    "torch": _torch_key,
-}
-_QKV_KEY_GETTERS: dict[str, Callable[[Any, Any, Any], tuple[Any, ...] | None]] = {
-    "numpy": _numpy_qkv_key,
-    "torch": _torch_qkv_key,
-}
 #: By array type, filled by :func:`register` once a type has been validated.
 _keys: dict[type, Callable[[Any], tuple[Any, ...] | None]] = {}
 _qkv_keys: dict[type, Callable[[Any, Any, Any], tuple[Any, ...] | None]] = {}
@@ -100,13 +54,17 @@ _qkv_keys: dict[type, Callable[[Any, Any, Any], tuple[Any, ...] | None]] = {}
 
 def register(call: _spec.Call, *arrays: Any) -> None:
     """Learn the key getters of the (validated) arrays' types."""
-    get_device = _spec.device_getter(call.backend)
+    framework = adapter(call.backend)
+    one, qkv = framework.memo_keys() or (
+        _generic_key(framework.device),
+        _generic_qkv_key(framework.device),
+    )
     for x in arrays:
         t = type(x)
         if x is None or t in _keys or not _spec.is_registered(t):
             continue
-        _keys[t] = _KEY_GETTERS.get(call.backend) or _generic_key(get_device)
-        _qkv_keys[t] = _QKV_KEY_GETTERS.get(call.backend) or _generic_qkv_key(get_device)
+        _keys[t] = one
+        _qkv_keys[t] = qkv
 
 
 def _option_types(options: tuple[Any, ...]) -> tuple[Any, ...] | None:

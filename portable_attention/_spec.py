@@ -12,8 +12,6 @@ argument, shows what was passed and says what to do.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +19,12 @@ import array_api_compat
 
 if TYPE_CHECKING:
     from portable_attention._block_plan import BlockLayout
+    from portable_attention.backends._base import Adapter
 
 from portable_attention import _band
 from portable_attention._checks import backend_name, broadcasts, is_kind, shape_of, type_name
 from portable_attention._options import Options, default_scale
+from portable_attention.backends import adapter
 
 
 @dataclass(frozen=True)
@@ -130,15 +130,18 @@ class Call:
         return len(self.q_shape) > 2 and self.q_shape[-3] != self.k_shape[-3]
 
 
-# Namespace, backend name and device getter depend only on an array's type: cached by type.
-_TYPES: dict[type, tuple[Any, str, Callable[[Any], Any]]] = {}
+# Namespace, backend name and adapter depend only on an array's type: cached by type.
+_TYPES: dict[type, tuple[Any, str, Adapter]] = {}
 
 
-def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
+def _type_info(name: str, x: object) -> tuple[Any, str, Adapter]:
     info = _TYPES.get(type(x))
     if info is not None:
         return info
-    _refuse_numpy_special(name, x)
+    backend = backend_name(x)
+    framework = adapter(backend)
+    framework.check_array(name, x)  # before the generic refusals: a NumPy scalar is
+    # an array-API object, and a masked array an ndarray
     if not array_api_compat.is_array_api_obj(x) or isinstance(x, (bool, int, float, complex)):
         msg = (
             f"`{name}` must be an array of your framework (NumPy, CuPy, PyTorch, JAX or "
@@ -151,71 +154,16 @@ def _type_info(name: str, x: object) -> tuple[Any, str, Callable[[Any], Any]]:
     except TypeError as err:  # an array type array-api-compat cannot wrap
         msg = f"`{name}` of type {type_name(x)} is not a supported array type: {err}"
         raise TypeError(msg) from None
-    backend = backend_name(x)
-    get_device = device_getter(backend)
-    info = (xp, backend, get_device)
-    if not (backend == "jax" and type(x).__module__ == "numpy"):  # JAX's float0 gradients
+    info = (xp, backend, framework)
+    if framework.caches_type(x):
         _TYPES[type(x)] = info
     return info
-
-
-def _refuse_numpy_special(name: str, x: object) -> None:
-    """NumPy scalars are not arrays (as Python scalars are not); a masked array's mask
-    would be ignored silently: both are TypeErrors that say what to pass instead."""
-    np = sys.modules.get("numpy")
-    if np is None:
-        return
-    if isinstance(x, np.generic):
-        msg = (
-            f"`{name}` must be an array of your framework, got the NumPy scalar {x!r} of type "
-            f"{type_name(x)}; convert it first, e.g. `xp.asarray({name})`."
-        )
-        raise TypeError(msg)
-    if isinstance(x, np.ma.MaskedArray):
-        msg = (
-            f"`{name}` is a numpy.ma.MaskedArray {shape_of(x)}, whose mask attend would ignore; "
-            f"pass `{name}.filled(0.0)` (plain data) and express what is masked out with "
-            "`mask=` (boolean, True = may attend)."
-        )
-        raise TypeError(msg)
-
-
-def _cpu(x: Any) -> str:
-    return "cpu"
-
-
-def _device_attribute(x: Any) -> Any:
-    return x.device
-
-
-def _check_dense_tensor(name: str, x: Any) -> None:
-    """Sparse and nested torch tensors: our TypeError, not torch's from inside a kernel."""
-    if x.is_nested or x.layout is not sys.modules["torch"].strided:
-        kind, fix = (
-            ("nested", f"`{name}.to_padded_tensor(0.0)` with a `mask=` for the padding")
-            if x.is_nested
-            else (str(x.layout), f"`{name}.to_dense()`")
-        )
-        msg = f"`{name}` is a {kind} tensor; attend takes dense (strided) tensors: pass {fix}."
-        raise TypeError(msg)
-
-
-_DEVICE_GETTERS: dict[str, Callable[[Any], Any]] = {
-    "numpy": _cpu,
-    "torch": _device_attribute,
-    "cupy": _device_attribute,
-}
 
 
 def hashable_device(device: Any) -> Any:
     """``device`` as part of a hash key: itself, or its ``repr`` where its type is not
     hashable (``cupy.cuda.Device``), equal for equal devices."""
     return device if type(device).__hash__ is not None else repr(device)
-
-
-def device_getter(backend: str) -> Callable[[Any], Any]:
-    """How to read the device of a ``backend``'s arrays."""
-    return _DEVICE_GETTERS.get(backend, array_api_compat.device)
 
 
 def is_registered(array_type: type) -> bool:
@@ -233,10 +181,9 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
     device; return ``(xp, backend name, device)``."""
     present = [(name, x) for name, x in arrays.items() if x is not None]
     first_name, first = present[0]
-    xp, backend, get_device = _type_info(first_name, first)
-    if backend == "torch":
-        _check_dense_tensor(first_name, first)
-    device = get_device(first)
+    xp, backend, framework = _type_info(first_name, first)
+    framework.check_array(first_name, first)
+    device = framework.device(first)
     for name, x in present[1:]:
         if _type_info(name, x)[0] is not xp:
             msg = (
@@ -245,9 +192,8 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
                 "first (e.g. `xp.from_dlpack` or `xp.asarray`)."
             )
             raise TypeError(msg)
-        if backend == "torch":
-            _check_dense_tensor(name, x)
-        dev = get_device(x)
+        framework.check_array(name, x)
+        dev = framework.device(x)
         if device is not None and dev is not None and _placement(dev) != _placement(device):
             msg = (
                 f"`{name}` is on device {dev!r} but `{first_name}` is on {device!r}: move "
@@ -439,8 +385,8 @@ def describe(
 ) -> Call:
     """The :class:`Call` of arrays known to be valid (checked by :func:`validate_call`, or
     slices of arrays it checked): shapes, dtypes and device read, nothing checked again."""
-    xp, backend, get_device = _type_info("q", q)
-    device = get_device(q)
+    xp, backend, framework = _type_info("q", q)
+    device = framework.device(q)
     if _placement(device) is not device:  # sharded: as check_arrays
         device = None
     qs = shape_of(q)

@@ -15,8 +15,9 @@ import array_api_compat
 
 from portable_attention import _band, _options, _spec
 from portable_attention._block_plan import BlockLayout, BlockPlan, block_plan
-from portable_attention._checks import as_int, broadcast_shape, is_kind, shape_of
+from portable_attention._checks import as_int, backend_name, broadcast_shape, is_kind, shape_of
 from portable_attention._spec import check_arrays, namespace_of
+from portable_attention.backends import adapter
 
 __all__ = [
     "BlockLayout",
@@ -377,17 +378,9 @@ def _check_lengths_shape(shape: tuple[int, ...]) -> None:
 
 
 def _is_traced(x: Any) -> bool:
-    """Whether ``x``'s values cannot be read on the host: a JAX tracer (under
-    ``jax.jit``, ``vmap``, ``grad``), or a tensor while ``torch.compile`` traces."""
-    if array_api_compat.is_jax_array(x):
-        import jax  # loaded already: x is a JAX array
-
-        return isinstance(x, jax.core.Tracer)
-    if array_api_compat.is_torch_array(x):
-        import torch  # loaded already: x is a tensor
-
-        return bool(torch.compiler.is_compiling())
-    return False
+    """Whether ``x``'s values cannot be read on the host (its framework's adapter says:
+    a JAX tracer, a tensor while ``torch.compile`` traces)."""
+    return adapter(backend_name(x)).traced(x)
 
 
 def _check_total(total: object, need: int | None, name: str, what: str) -> int:

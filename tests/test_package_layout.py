@@ -23,11 +23,21 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
-    """``(module, imported name)`` of every import of the package in ``path``, at any
-    depth (a function's lazy import counts); the name is "" for ``import x``."""
+    """``(module, imported name)`` of every import of the package in ``path`` that runs,
+    at any depth (a function's lazy import counts, one under ``if TYPE_CHECKING:`` does
+    not); the name is "" for ``import x``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    annotations_only = {  # imports under `if TYPE_CHECKING:` never run
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for inner in ast.walk(node)
+    }
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(alias.name, "") for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

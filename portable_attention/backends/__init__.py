@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
-from portable_attention.backends._base import Adapter
+if TYPE_CHECKING:  # not at run time: the contract (_spec) asks the adapters, and _base
+    # imports the kernel, which imports the contract
+    from portable_attention.backends._base import Adapter
 
 #: Framework name (``portable_attention._checks.backend_name``) -> adapter module.
 _MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy"}

@@ -46,6 +46,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import array_api_compat
+
 from portable_attention import _blockwise
 from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
@@ -56,6 +58,10 @@ from portable_attention._spec import Call
 
 #: ``kernel(q, k, v) -> out``: a fused kernel with every other argument bound.
 Prepared = Callable[[Any, Any, Any], Any]
+
+#: The call memo's key getters of one framework: ``(of one array, of q, k and v at
+#: once)``, each returning a hashable tuple, or None where the array has no key.
+MemoKeys = tuple[Callable[[Any], Any], Callable[[Any, Any, Any], Any]]
 
 
 class Kernel(ABC):
@@ -217,3 +223,29 @@ class Adapter(ABC):
         """Whether a compiler is tracing this call now (``torch.compile``): the planner
         then skips its ``lru_cache``, which the tracer would ignore with a warning."""
         return False
+
+    # -- what the contract and the memo ask of this framework's arrays ----------------------
+
+    def check_array(self, name: str, x: Any) -> None:  # noqa: B027 (a hook: no refusal)
+        """Refuse, with a TypeError that says what to pass, an array of this framework that
+        ``attend`` cannot take as it is (NumPy's scalars and masked arrays, torch's nested
+        and sparse tensors); run on every array of every validated call."""
+
+    def device(self, x: Any) -> Any:
+        """The device of array ``x``."""
+        return array_api_compat.device(x)
+
+    def caches_type(self, x: Any) -> bool:
+        """Whether what ``x``'s type says (namespace, framework, this adapter) may be
+        cached by type; not for JAX's float0 gradients, which are NumPy arrays."""
+        return True
+
+    def memo_keys(self) -> MemoKeys | None:
+        """The call memo's key getters of this framework's arrays, faster than the generic
+        ``(shape, dtype, device)`` (see :mod:`portable_attention._memo`); None: those."""
+        return None
+
+    def traced(self, x: Any) -> bool:
+        """Whether ``x``'s values cannot be read on the host now (a JAX tracer, a tensor
+        while ``torch.compile`` traces)."""
+        return self.tracing()

@@ -133,5 +133,8 @@ class CupyAdapter(Adapter):
     def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> BlockKeep:
         return _block_keep(rng, p, device)
 
+    def device(self, x: Any) -> Any:
+        return x.device
+
 
 ADAPTER = CupyAdapter()

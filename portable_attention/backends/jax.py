@@ -686,5 +686,11 @@ class JaxAdapter(Adapter):
     def block_loop(self, call: _spec.Call) -> BlockLoop:
         return _LOOP
 
+    def caches_type(self, x: Any) -> bool:
+        return type(x).__module__ != "numpy"  # JAX's float0 gradients are NumPy arrays
+
+    def traced(self, x: Any) -> bool:
+        return isinstance(x, jax.core.Tracer)
+
 
 ADAPTER = JaxAdapter()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 import os
 import threading
 from collections.abc import Iterator
@@ -36,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from portable_attention import _core, _mods, _spec
+from portable_attention._checks import shape_of, type_name
 from portable_attention._core import KeepMask
-from portable_attention.backends._base import Adapter, Kernel
+from portable_attention.backends._base import Adapter, Kernel, MemoKeys
 from portable_attention.backends.generic import numpy_block_keep, numpy_keep_mask
 
 #: Scores per query block, over all batch and head dims (16 MiB of float32): fewer, larger
@@ -186,6 +188,36 @@ class NumpyAdapter(Adapter):
 
     def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> Any:
         return numpy_block_keep(xp.__name__, self.rng, rng, p, xp, device)
+
+    def check_array(self, name: str, x: Any) -> None:
+        # NumPy scalars are not arrays (as Python scalars are not); a masked array's mask
+        # would be ignored silently.
+        if isinstance(x, np.generic):
+            msg = (
+                f"`{name}` must be an array of your framework, got the NumPy scalar {x!r} of "
+                f"type {type_name(x)}; convert it first, e.g. `xp.asarray({name})`."
+            )
+            raise TypeError(msg)
+        if isinstance(x, np.ma.MaskedArray):
+            msg = (
+                f"`{name}` is a numpy.ma.MaskedArray {shape_of(x)}, whose mask attend would "
+                f"ignore; pass `{name}.filled(0.0)` (plain data) and express what is masked "
+                "out with `mask=` (boolean, True = may attend)."
+            )
+            raise TypeError(msg)
+
+    def device(self, x: Any) -> Any:
+        return "cpu"
+
+    def memo_keys(self) -> MemoKeys:
+        return _shape_dtype, _qkv_key
+
+
+_shape_dtype = operator.attrgetter("shape", "dtype")  # NumPy arrays are always on the CPU
+
+
+def _qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
+    return (type(k), type(v), q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype)
 
 
 ADAPTER = NumpyAdapter()
