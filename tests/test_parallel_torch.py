@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import traceback
 import zlib
 from collections.abc import Callable
@@ -285,6 +284,47 @@ def _errors(ctx: dict[str, Any]) -> None:
         ValueError, r"unequal shapes.*equal slice", lambda: parallel.ring_attend(mine, mine, mine)
     )
     _expect(ValueError, r"unequal shapes", lambda: parallel.ulysses_attend(mine, mine, mine))
+    # Options that differ across ranks: every rank raises, naming the option and the ranks
+    # (before, each rank computed with its own options and returned).
+    causal = rank != 0
+    for call in (parallel.ring_attend, parallel.ulysses_attend):
+        _expect(
+            ValueError,
+            r"different options \(`causal`: rank 0 None, rank 1 'lower_right'.*same options",
+            lambda call=call: call(x, x, x, causal=causal),
+        )
+    _expect(
+        ValueError,
+        r"`layout`: rank 0 'zigzag', rank 1 'contiguous'",
+        lambda: parallel.ring_attend(x, x, x, layout="zigzag" if rank == 0 else "contiguous"),
+    )
+    _expect(
+        ValueError,
+        r"`sinks`: rank 0 False, rank 1 True",
+        lambda: parallel.ring_attend(x, x, x, sinks=None if rank == 0 else torch.zeros(2)),
+    )
+    _expect(
+        ValueError,
+        r"`scale`: rank 0 0.5, rank 1 0.25",
+        lambda: parallel.ulysses_attend(x, x, x, scale=0.5 if rank == 0 else 0.25),
+    )
+    # An option that one rank alone gets wrong: every rank raises, none waits for it.
+    _expect(
+        ValueError,
+        r"`invalid options`: rank 0 \S.*softcap",
+        lambda: parallel.ring_attend(x, x, x, softcap=-1.0 if rank == 0 else 20.0),
+    )
+    _expect(
+        ValueError,
+        r"`invalid options`: rank 0 \S.*window",
+        lambda: parallel.ulysses_attend(x, x, x, window=-1 if rank == 0 else 2),
+    )
+    # The same wrong option on every rank: attend's own error, on every rank.
+    _expect(
+        ValueError,
+        r"`window` sides must be ints >= 0",
+        lambda: parallel.ulysses_attend(x, x, x, window=-1),
+    )
     odd = torch.zeros(1, 2, 3, 4)  # 3 * P positions: not a multiple of 2P
     _expect(
         ValueError,
@@ -350,7 +390,7 @@ def cases() -> dict[str, Callable[[dict[str, Any]], None]]:
     }
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, tolerances: dict[str, Any]) -> None:
+def _rank_main(rank: int, world: int, out_dir: str, tolerances: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -361,9 +401,12 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, tolerances: dict[
     # off by 1e-9; with one thread, 0 in 24): a defect of its own, not the ring's, still open.
     torch.set_num_threads(1)
 
+    # Rendezvous through a file in the run's own directory: a TCP port picked free by the
+    # test and bound later by rank 0 could be taken meanwhile by another run on the
+    # machine (two parallel sessions at once), whose ranks then met these.
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{Path(out_dir, 'rendezvous')}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=TIMEOUT),
@@ -386,12 +429,6 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, tolerances: dict[
 # -- the tests ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
 def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -405,7 +442,7 @@ def ranks(
     out_dir = tmp_path_factory.mktemp(f"world{world}")
     context = mp.start_processes(
         _rank_main,
-        args=(world, _free_port(), str(out_dir), dict(TOLERANCES)),
+        args=(world, str(out_dir), dict(TOLERANCES)),
         nprocs=world,
         join=False,
         start_method="spawn",

@@ -137,7 +137,9 @@ def ring_attend(
     ------
     ValueError
         An unbound ``axis_name``, a global length the layout cannot split (zigzag needs
-        multiples of ``2P``), shards of unequal shapes across ranks, or any of
+        multiples of ``2P``), shards of unequal shapes or dtypes across ranks, options
+        (or the layout, or ``sinks`` given) that differ across torch.distributed ranks
+        (raised on every rank, naming the option and what each rank passed), or any of
         :func:`~portable_attention.attend`'s checks.
     TypeError
         Arrays other than JAX or torch, ``group`` with JAX arrays or ``axis_name`` with
@@ -151,6 +153,15 @@ def ring_attend(
     ``q, k, v, out, lse`` of the local shard (``O(L/P * D)`` per device).
     """
     layout = check_layout(layout)
+    given = {"causal": causal, "window": window, "scale": scale, "softcap": softcap}
+    given.update({"chunk_size": chunk_size, "return_lse": return_lse, "sinks": sinks})
+    _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
+    _where(backend, axis_name, group, "ring_attend")
+    module = _framework(backend, "ring_attend")
+    link = axis_name
+    if backend == "torch":
+        link = module.resolve_group(group, q)
+        _agree(module, link, q, k, v, given, layout)
     options = _options.options(
         causal=causal,
         window=window,
@@ -160,9 +171,6 @@ def ring_attend(
         return_lse=return_lse or sinks is not None,
     )
     call = _spec.validate_call(q, k, v, options, sinks=sinks)
-    _where(call.backend, axis_name, group, "ring_attend")
-    module = _framework(call.backend, "ring_attend")
-    link = axis_name if call.backend == "jax" else group
     result = module.ring_attend(call, q, k, v, link, layout)
     if sinks is None:
         return result
@@ -226,7 +234,9 @@ def ulysses_attend(
     ------
     ValueError
         Head counts the shards cannot split (naming ``Hq``, ``Hk`` and ``P``), an unbound
-        ``axis_name``, shards of unequal shapes across ranks, or ``attend``'s checks.
+        ``axis_name``, shards of unequal shapes or dtypes across ranks, options (or which
+        arrays and functions are given, or the layout) that differ across
+        torch.distributed ranks (on every rank, naming them), or ``attend``'s checks.
     TypeError
         As :func:`ring_attend`.
     """
@@ -247,7 +257,7 @@ def ulysses_attend(
     else:
         link = module.resolve_group(group, q)
         size, index = module.group_size(link), module.group_rank(link)
-        module.check_equal_shards(link, q=q, k=k, v=v)
+        _agree(module, link, q, k, v, options, layout)
     hq, hk = q.shape[-3], k.shape[-3]
     _check_heads(hq, hk, size)
     if hk % size != 0:  # P % Hk == 0: each shard's query heads use one K/V head
@@ -278,6 +288,35 @@ def ulysses_attend(
             item = permute(xp, item, size, layout, item.ndim + seq, inverse=False)
         back.append(module.heads_to_seq(item, link, heads=seq - 1, seq=seq))
     return tuple(back) if isinstance(result, tuple) else back[0]
+
+
+#: attend's keywords that are arrays or functions: ranks must agree on their presence.
+_GIVEN = ("mask", "bias", "rng", "sinks", "segment_ids", "score_mod", "mask_mod")
+
+
+def _agree(
+    module: Any, link: Any, q: Any, k: Any, v: Any, options: dict[str, Any], layout: str
+) -> None:
+    """torch.distributed: every rank of the group holds shards of one shape and dtype and
+    passes the same options (normalised: ``causal=True`` and ``"lower_right"`` agree, as
+    ``scale=None`` and ``1/sqrt(Dk)``), the same layout and the same arrays and functions
+    present, checked in one exchange before anything else can raise on one rank alone:
+    options that do not validate enter it too, so every rank raises, none waits."""
+    scalars = {name: value for name, value in options.items() if name not in _GIVEN}
+    invalid: Exception | None = None
+    try:
+        normalised = _options.options(**scalars)
+    except (TypeError, ValueError) as err:
+        normalised, invalid = _options.Options(), err
+    agreed: dict[str, object] = dict(vars(normalised))
+    if normalised.scale is None:
+        agreed["scale"] = _options.default_scale(q.shape[-1])
+    agreed.update({name: options.get(name) is not None for name in _GIVEN})
+    agreed["layout"] = layout
+    agreed["invalid options"] = None if invalid is None else str(invalid)
+    module.check_agreement(link, {"q": q, "k": k, "v": v}, agreed)
+    if invalid is not None:  # on every rank alike: the exchange compared it
+        raise invalid
 
 
 def _global_heads(mod: Any, first: Any, name: str) -> Any:

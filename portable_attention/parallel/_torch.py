@@ -11,6 +11,9 @@ current step's blocks are computed, and waited for after them.
 
 from __future__ import annotations
 
+import math
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,26 +87,72 @@ def _device_mesh_type() -> Any:
     return DeviceMesh
 
 
-def check_equal_shards(group: Any, **arrays: Any) -> None:
-    """Every rank holds shards of the same shapes (one small all-reduce): unequal shards
-    would deadlock or corrupt the ring's transfers."""
-    dims = [d for x in arrays.values() for d in (*x.shape, x.element_size())]
+def check_agreement(group: Any, arrays: dict[str, Any], options: dict[str, object]) -> None:
+    """Every rank holds shards of the same shapes and dtypes and calls with the same
+    options, found by one small all-reduce: unequal shards would deadlock or corrupt the
+    ring's transfers, and unequal options make each rank compute its own attention, so
+    the global result would be silently wrong. Where they differ, every rank learns it
+    from the same all-reduce and raises (after one gather of what each rank has, to name
+    the ranks)."""
     first = next(iter(arrays.values()))
-    mine = torch.tensor([*dims, *(-d for d in dims)], dtype=torch.int64, device=first.device)
+    slots = [n for x in arrays.values() for n in _array_slots(x)]
+    slots += [n for value in options.values() for n in _option_slots(value)]
+    mine = torch.tensor([*slots, *(-n for n in slots)], dtype=torch.int64, device=first.device)
     seen = mine.clone()
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)  # max, and -min, per slot
     if torch.equal(seen, mine):
         return
-    n = len(dims)
-    high, low = seen[:n].tolist(), [-d for d in seen[n:].tolist()]
-    shapes = ", ".join(f"{name} {tuple(x.shape)} {x.dtype}" for name, x in arrays.items())
-    msg = (
-        f"the ranks of the group hold shards of unequal shapes or dtypes (this rank: "
-        f"{shapes}; largest dims over the ranks {high}, smallest {low}): every rank must "
-        "hold an equal slice of the sequence; pad the sequence to a multiple of the layout's "
-        "chunk count and split it evenly (see `portable_attention.parallel.reorder`)."
+    described = {name: f"{tuple(x.shape)} {x.dtype}" for name, x in arrays.items()}
+    described.update({name: repr(value) for name, value in options.items()})
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, described, group=group)
+    differ = [name for name in described if len({d[name] for d in every}) > 1]
+    held = "; ".join(
+        f"`{name}`: " + ", ".join(f"rank {r} {d[name]}" for r, d in enumerate(every))
+        for name in differ
     )
+    if any(name in arrays for name in differ):
+        msg = (
+            f"the ranks of the group hold shards of unequal shapes or dtypes ({held}): "
+            "every rank must hold an equal slice of the sequence; pad the sequence to a "
+            "multiple of the layout's chunk count and split it evenly (see "
+            "`portable_attention.parallel.reorder`)."
+        )
+    else:
+        msg = (
+            f"the ranks of the group call with different options ({held}): each would "
+            "compute its own attention and the global result would be wrong; pass the same "
+            "options on every rank."
+        )
     raise ValueError(msg)
+
+
+def _array_slots(x: Any) -> list[int]:
+    """A shard's rank, dtype and first 8 dims (-1 past its rank; the product of the rest
+    in the last), a fixed count of int64 slots whatever the array."""
+    dims = list(x.shape)
+    if len(dims) > 8:
+        dims = [*dims[:7], math.prod(dims[7:])]
+    return [x.ndim, zlib.crc32(str(x.dtype).encode()), *dims, *[-1] * (8 - len(dims))]
+
+
+def _option_slots(value: object) -> list[int]:
+    """An option as three int64 slots (kind, two values), equal for equal options."""
+    if value is None:
+        return [0, 0, 0]
+    if isinstance(value, bool):
+        return [1, int(value), 0]
+    if isinstance(value, int):
+        return [2, min(value, 2**62), 0]
+    if isinstance(value, float):
+        return [3, struct.unpack("<q", struct.pack("<d", value))[0], 0]
+    if isinstance(value, str):
+        return [4, zlib.crc32(value.encode()), 0]
+    if isinstance(value, tuple) and len(value) == 2:  # a window: sides >= 0 or None
+        left, right = (-1 if side is None else min(int(side), 2**62) for side in value)
+        return [5, left, right]
+    msg = f"an option of type {type(value).__name__} cannot be compared across ranks"
+    raise TypeError(msg)
 
 
 @dataclass(frozen=True)
@@ -244,11 +293,10 @@ class _RingFunction(torch.autograd.Function):
 
 
 def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout: str) -> Any:
-    """The ring on torch tensors (checked by the caller): see
-    :func:`portable_attention.parallel.ring_attend`."""
-    resolved = resolve_group(group, q)
+    """The ring on torch tensors (checked by the caller, ``group`` resolved and the ranks
+    agreeing): see :func:`portable_attention.parallel.ring_attend`."""
+    resolved = group
     size, rank = dist.get_world_size(resolved), dist.get_rank(resolved)
-    check_equal_shards(resolved, q=q, k=k, v=v)
     lq, lk = q.shape[-2] * size, k.shape[-2] * size
     _layout.check_length(
         lq, size, layout, name=f"the global query sequence ({size} shards of {q.shape[-2]})"
