@@ -32,7 +32,8 @@ class Plan:
     path : str
         ``"fused:torch"``, ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's
         fused kernel; ``"native:numpy"``: a NumPy-only blocked kernel; ``"native:jax"``:
-        the dense path on query blocks under ``lax.map`` (JAX on CPU); ``"portable"``:
+        the dense path on query blocks under ``lax.map`` (JAX on CPU); ``"native:dask"``:
+        ``attend`` on each batch/head chunk of dask arrays; ``"portable"``:
         the array-API implementation with the whole score matrix (autodiff saves its
         probabilities for backward); ``"portable:chunked"`` and ``"portable:blockwise"``:
         the blockwise path, an online softmax over query and key blocks whose backward

@@ -179,7 +179,8 @@ def segment_ids_from_lengths(lengths: Any, total: int | None = None) -> Any:
     total : int, optional
         The number of positions of every row. Default: the longest row's sum of lengths
         (the sum for 1-D ``lengths``), read on the host; required where ``lengths`` is
-        traced (under ``jax.jit``), where the result's shape must be static.
+        traced (under ``jax.jit``) or lazy (dask), where the result's shape must be
+        static.
 
     Returns
     -------
@@ -247,7 +248,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens: Any, total: int | None = None) -> An
         FlashAttention; any integer dtype here).
     total : int, optional
         The number of positions. Default ``cu_seqlens[-1]``, read on the host; required
-        where ``cu_seqlens`` is traced (under ``jax.jit``).
+        where ``cu_seqlens`` is traced (under ``jax.jit``) or lazy (dask).
 
     Returns
     -------
@@ -390,7 +391,8 @@ def _check_total(total: object, need: int | None, name: str, what: str) -> int:
         if need is None:
             msg = (
                 f"`total` is required when `{name}` is traced (under jax.jit or "
-                "torch.compile): the ids' length must be static; pass `total=` (the number "
+                "torch.compile) or lazy (a dask array, which reading would compute): the "
+                "ids' length must be known without reading them; pass `total=` (the number "
                 "of positions)."
             )
             raise ValueError(msg)

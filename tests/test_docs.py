@@ -41,6 +41,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cupy": (("cupy",), ("cupy",)),  # never a selected backend: such blocks carry the mark
     "transformers": (("torch",), ("transformers",)),
     "matplotlib": ((), ("matplotlib",)),
+    "dask": ((), ("dask",)),
     "portable_attention.nn.torch": (("torch",), ()),
     "portable_attention.nn.flax": (("jax",), ("flax",)),
     "portable_attention.integrations.transformers": (("torch",), ("transformers",)),

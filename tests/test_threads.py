@@ -275,3 +275,37 @@ def test_threaded_kernel_in_a_forked_child() -> None:
     them forever, and gives the parent's result."""
     _blas_or_skip()
     assert run_python(_FORKED, timeout=120).strip() == "child exit 0"
+
+
+_FIRST_CALLS = """
+import threading
+import numpy as np
+import portable_attention as pa
+
+q = np.ones((1, 2, 8, 4))
+barrier = threading.Barrier(8)
+errors = []
+
+def first_call():
+    barrier.wait()  # all at once: the adapter's module is imported by one of them
+    try:
+        pa.attend(q, q, q)
+    except Exception as err:
+        errors.append(repr(err))
+
+threads = [threading.Thread(target=first_call) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(len(errors), errors[:1])
+"""
+
+
+def test_first_calls_from_several_threads_at_once() -> None:
+    """The first calls of a process, made by 8 threads at once (a dask or thread-pool
+    worker's first tasks), all run: a thread that finds the adapter's module still being
+    imported by another waits for it (before, 6-7 of 8 raised AttributeError: partially
+    initialized module 'portable_attention.backends.numpy')."""
+    for _ in range(3):
+        assert run_python(_FIRST_CALLS, timeout=120).strip() == "0 []"

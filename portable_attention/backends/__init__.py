@@ -18,16 +18,17 @@ if TYPE_CHECKING:  # not at run time: the contract (_spec) asks the adapters, an
     from portable_attention.backends._base import Adapter
 
 #: Framework name (``portable_attention._checks.backend_name``) -> adapter module.
-_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy"}
+_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy", "dask": "dask"}
 
 
 def adapter(backend: str) -> Adapter:
     """The adapter of ``backend``; the generic one for other array-API libraries."""
     name = f"{__name__}.{_MODULES.get(backend, 'generic')}"
-    module = sys.modules.get(name)  # a dict lookup that torch.compile traces
-    if module is None:
-        module = importlib.import_module(name)
-    found: Adapter = module.ADAPTER
+    # A dict lookup that torch.compile traces. A module another thread is still importing
+    # is in sys.modules without its ADAPTER yet: import_module waits for that import.
+    found: Adapter | None = getattr(sys.modules.get(name), "ADAPTER", None)
+    if found is None:
+        found = importlib.import_module(name).ADAPTER
     return found
 
 
