@@ -209,7 +209,7 @@ def test_auto_runs_attend_per_chunk_where_it_can() -> None:
     assert masked.path == "portable" and "mask or bias" in masked.reason
     with _lazy():
         out, lse = pa.attend(dq, dk, dv, causal=True, softcap=5.0, return_lse=True)
-    assert out.chunks[:3] == dq.chunks[:3][:2] + ((L,),)
+    assert out.chunks[:3] == (*dq.chunks[:2], (L,))
     ref_out, _, ref_lse = oracle.attention(q, k, v, causal=True, softcap=5.0)
     np.testing.assert_allclose(out.compute(), ref_out, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(lse.compute(), ref_lse, rtol=TOL, atol=TOL)
