@@ -227,7 +227,8 @@ def run_call(
     with :func:`portable_attention._spec.describe`'s call of them): planned, then run as
     :func:`attend` runs it. The internal entry of the ring's blocks."""
     runner = _runner(call, choose(call).path)
-    if runner.kernel is not None:
+    if runner.kernel is not None:  # fused kernels decline sinks, segment ids and mods
+        assert not call.modded and sinks is None
         return runner.kernel(q, k, v)
     if not call.modded and sinks is None:
         return runner.run(q, k, v, mask, bias, rng)

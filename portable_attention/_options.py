@@ -5,13 +5,13 @@ and the functions) into one frozen, hashable :class:`Options`, which the validat
 :class:`~portable_attention._spec.Call` carries. Every layer after it passes that object
 on: the plan reads it, torch's custom operators take it through one to-schema /
 from-schema pair, the ring gives each block a copy with that block's band
-(:meth:`Options.replace`), the modules build theirs once at construction. Nothing checks
-an option twice.
+(``dataclasses.replace`` with values the ring's schedule already normalised). The
+multi-head modules and the transformers integration call the public ``attend``, whose
+memo skips this on a repeated call. Nothing checks an option twice.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,12 +58,6 @@ class Options:
     return_weights: bool = False
     return_lse: bool = False
     implementation: str = "auto"
-
-    def replace(self, **changes: object) -> Options:
-        """A copy with ``changes``, normalised as :func:`options` normalises them."""
-        current: dict[str, object] = dataclasses.asdict(self)
-        current["causal"] = self.causal or False  # None is normalised False
-        return options(**{**current, **changes})
 
 
 def options(
