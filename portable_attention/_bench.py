@@ -185,7 +185,7 @@ def _bench_numpy(rows: list[dict[str, Any]], budget: float) -> None:
             lambda: attend(q, k, v),  # noqa: B023
             lambda: seed_formula(q, k, v),  # noqa: B023
             budget=budget,
-            settle=pause,  # our threads with the BLAS pinned vs the BLAS's own threads
+            settle=pause,  # between our calls and the BLAS-threaded formula
             warm=warm,
         )
         rows.append(_row("numpy", name, path, timing, "seed formula", flops))

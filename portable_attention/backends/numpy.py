@@ -9,14 +9,16 @@ the softmax's max pass skipped where the row sums show it was not needed (see
 ``[Lq, Dv]`` instead of ``[Lq, Lk]``, and query blocks of bounded size.
 
 Threads: for calls of 4M scores and more without dropout, when ``threadpoolctl`` is
-installed and finds the BLAS, query blocks run on up to 4 threads (this thread and a pool,
-no more than the cores) with the BLAS pinned to
-one thread for the duration of the call; NumPy releases the GIL in matmul and ufuncs, so
-the elementwise passes run in parallel too. Smaller calls, and all calls where the BLAS
-cannot be pinned, run on this thread with the BLAS's own threads: waking a pool thread
-and handing the GIL back and forth cost more than it gave below that size here (at
-``[1, 8, 512, 512]`` scores, 8.2 ms threaded against 5.7 ms), and Python threads on top
-of a threaded OpenBLAS oversubscribe the cores (measured 10-100x slower).
+installed and shows every BLAS library on one thread already (``OPENBLAS_NUM_THREADS=1``,
+or the caller's ``threadpoolctl.threadpool_limits(1, "blas")``), query blocks run on up to
+4 threads (this thread and a pool, no more than the cores); NumPy releases the GIL in
+matmul and ufuncs, so the elementwise passes run in parallel too. Otherwise a call runs
+on this thread with the BLAS's own threads. The kernel never changes the BLAS's thread
+count: it is process-wide, and pinning it for a call slowed the BLAS work of the user's
+other threads while the call ran. Python threads on top of a threaded OpenBLAS
+oversubscribe the cores (measured 10-100x slower), and below 4M scores waking a pool
+thread cost more than it gave (at ``[1, 8, 512, 512]`` scores, 8.2 ms threaded against
+5.7 ms).
 
 Only arrays it allocated itself are written: inputs are never modified.
 """
@@ -29,7 +31,6 @@ import math
 import operator
 import os
 import threading
-from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -74,76 +75,20 @@ def _blas_controller() -> Any:
     return _blas if _blas is not False else None
 
 
-_pin_lock = threading.Lock()
-_pin_users = 0
-_pin_restore: list[tuple[Any, int]] = []
-
-
-@contextlib.contextmanager
-def _blas_pinned(blas: Any) -> Iterator[None]:
-    """The BLAS on one thread while any threaded call runs.
-
-    The limit is process-wide: with one limit per call, concurrent calls restored each
-    other's limits out of order and left the BLAS on 1 thread for good. The first call
-    in pins it, the last one out restores the original. Each controller's
-    ``set_num_threads`` is a direct library call (about 0.7 us; threadpoolctl's
-    ``limit()`` took 9 us, a cost a 100 us decode step notices).
-    """
-    global _pin_users
-    with _pin_lock:
-        if _pin_users == 0:
-            _pin_restore[:] = [(c, c.get_num_threads()) for c in blas]
-            for c, _ in _pin_restore:
-                _set_num_threads(c, 1)
-        _pin_users += 1
-    try:
-        yield
-    finally:
-        with _pin_lock:
-            _pin_users -= 1
-            if _pin_users == 0:
-                _restore_blas()
-
-
-def _restore_blas() -> None:
-    for c, n in _pin_restore:
-        _set_num_threads(c, n)
-    _pin_restore.clear()
-
-
-def _set_num_threads(controller: Any, n: int) -> None:
-    """``controller.set_num_threads(n)`` from whichever thread holds ``_pin_lock``.
-
-    threadpoolctl (3.8) lets one "controlling" thread set OpenBLAS's process-wide count
-    and silently ignores the others: with the thread of the first pinned call still alive,
-    a later call on another thread would run unpinned, or restore nothing and leave the
-    BLAS on one thread for good. The control is released before and after (with
-    threadpoolctl's public ``clear_controlling_thread``): ours is ordered by
-    ``_pin_lock``, and the caller's own ``threadpool_limits`` keeps working.
-
-    ``threadpoolctl.threadpool_limits`` itself cannot be the pin: the last call out, which
-    restores the limit, is often not the thread that set it, and a restore from another
-    thread is silently ignored while the first lives (measured with threadpoolctl 3.8:
-    pinned to 1 by thread A, ``restore_original_limits()`` from thread B left 1, not 2).
-    """
-    release = getattr(type(controller), "clear_controlling_thread", None)
-    if release is not None:
-        release(force=True)
-    controller.set_num_threads(n)
-    if release is not None:
-        release(force=True)
+def _blas_on_one_thread(blas: Any) -> bool:
+    """Whether every BLAS library is on one thread already: then the kernel's own threads
+    are the only parallelism and cannot oversubscribe the cores. The count is the user's
+    (``OPENBLAS_NUM_THREADS=1``, ``threadpoolctl.threadpool_limits(1, "blas")``); this
+    module never changes it, since it is process-wide (OpenBLAS's pthreads build has no
+    per-thread count: its ``openblas_set_num_threads_local`` sets the global one)."""
+    return bool(blas) and all(c.get_num_threads() == 1 for c in blas)
 
 
 def _after_fork_in_child() -> None:
     """A forked child (multiprocessing's default on Linux before Python 3.14) has none of
-    the pool's threads: a threaded call would wait forever for its helpers. Nor will the
-    calls that pinned the BLAS return in the child to restore it."""
-    global _pool, _pin_lock, _pin_users
+    the pool's threads: a threaded call would wait forever for its helpers."""
+    global _pool
     _pool = None
-    _pin_lock = threading.Lock()
-    if _pin_users:
-        _restore_blas()
-    _pin_users = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -244,30 +189,26 @@ def run_native(
     weights = np.empty((*lead, lq, lk), dtype=ct) if call.return_weights else None
     scores = math.prod(lead) * lq * lk
     big = scores >= _THREADS_MIN_ELEMENTS and keep is None and _WORKERS > 1
-    blas = _blas_controller() if big else None
-    threaded = bool(blas)
+    threaded = big and _blas_on_one_thread(_blas_controller())
     rows_per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(lead) * lk))
     if threaded:
         rows_per_block = min(rows_per_block, -(-lq // _WORKERS))  # work for every thread
-    with _blas_pinned(blas) if threaded else contextlib.nullcontext():
-        if rows_per_block >= lq:  # one block (decode, short sequences): no list, no closure
-            _block(call, ops, (0, lq), keep, out, weights, lse, mods)
-        else:
-            blocks = iter(
-                [(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)]
-            )
+    if rows_per_block >= lq:  # one block (decode, short sequences): no list, no closure
+        _block(call, ops, (0, lq), keep, out, weights, lse, mods)
+    else:
+        blocks = iter([(q0, min(q0 + rows_per_block, lq)) for q0 in range(0, lq, rows_per_block)])
 
-            def drain() -> None:  # takes blocks until none is left (next() holds the GIL)
-                for rows in blocks:
-                    _block(call, ops, rows, keep, out, weights, lse, mods)
+        def drain() -> None:  # takes blocks until none is left (next() holds the GIL)
+            for rows in blocks:
+                _block(call, ops, rows, keep, out, weights, lse, mods)
 
-            helpers = [_executor().submit(drain) for _ in range(_WORKERS - 1)] if threaded else []
-            try:
-                drain()  # this thread works too: one thread fewer to wake
-            finally:  # no helper may still be writing when the call ends; an error here wins
-                futures.wait(helpers)
-            for helper in helpers:
-                helper.result()
+        helpers = [_executor().submit(drain) for _ in range(_WORKERS - 1)] if threaded else []
+        try:
+            drain()  # this thread works too: one thread fewer to wake
+        finally:  # no helper may still be writing when the call ends; an error here wins
+            futures.wait(helpers)
+        for helper in helpers:
+            helper.result()
     out_final = out.reshape(*call.q_shape[:-1], call.v_shape[-1]).astype(call.dtype, copy=False)
     if weights is not None:
         weights = weights.reshape(*call.q_shape[:-1], lk).astype(call.dtype, copy=False)
