@@ -65,8 +65,8 @@ def _example() -> tuple[Array, Array, Array, Array]:
 
 
 def _framework(name: str) -> Framework:
-    """``name``'s label and conversions (through ``_convert``, the package's one place)."""
-    from portable_attention import _convert
+    """``name``'s label and conversions (through ``testing._convert``, the package's one place)."""
+    from portable_attention.testing import _convert
 
     if name == "jax" and "jax" not in sys.modules:
         # The demo runs on the CPU and should not probe for (and warn about) accelerators.

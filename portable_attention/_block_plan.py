@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from portable_attention._checks import as_int, type_name
+from portable_attention._checks import as_int, backend_name, type_name
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def block_plan(
     import array_api_compat
     import array_api_compat.numpy as numpy_namespace
 
-    from portable_attention._convert import to_numpy
+    from portable_attention.backends import adapter
 
     q_len, kv_len, size = (
         _check_length("q_len", q_len),
@@ -185,7 +185,9 @@ def block_plan(
                 f"{type_name(got)}; compare the indices, e.g. `q_idx >= kv_idx`."
             )
             raise TypeError(msg)
-        row = np.broadcast_to(to_numpy(got), (n_batch or 1, n_heads or 1, r1 - r0, kv_len))
+        row = np.broadcast_to(
+            adapter(backend_name(got)).to_host(got), (n_batch or 1, n_heads or 1, r1 - r0, kv_len)
+        )
         for ki in range(nk):
             block = row[..., ki * size : min((ki + 1) * size, kv_len)]
             if block.any():

@@ -35,8 +35,8 @@ import numpy as np
 
 from portable_attention import _cases, attend, plan
 from portable_attention._cases import Array, Case
-from portable_attention._convert import dtype_name, source_framework, to_backend, to_numpy
 from portable_attention.testing import tolerance
+from portable_attention.testing._convert import dtype_name, source_framework, to_backend, to_numpy
 
 #: The report's dtypes and their (rtol, atol) for out and weights, from the package's one
 #: table (:func:`portable_attention.testing.tolerance`): a result agrees where
@@ -68,7 +68,7 @@ class Target:
     Attributes
     ----------
     backend : str
-        A name :func:`portable_attention._convert.to_backend` knows (``"numpy"``,
+        A name :func:`portable_attention.testing._convert.to_backend` knows (``"numpy"``,
         ``"torch"``, ...); the inputs are converted to it.
     device : str
         ``"cpu"`` or ``"cuda"``.

@@ -35,7 +35,6 @@ import numpy as np
 from portable_attention import _checks, _core
 from portable_attention._attention import attend
 from portable_attention._checks import as_int, is_kind
-from portable_attention._convert import dtype_name, to_numpy
 from portable_attention._spec import check_arrays, check_mask_bias
 from portable_attention.backends import adapter
 
@@ -361,7 +360,10 @@ class MultiHeadAttention:
 def host_array(x: Any) -> np.ndarray:
     """Any framework's array (grad-tracking tensors, GPU arrays included) as a NumPy array
     of a standard dtype, for loading parameters: bfloat16, which NumPy has only through
-    ml_dtypes, comes as float32 (exactly)."""
+    ml_dtypes, comes as float32 (exactly). The conversion is the testing kit's, imported
+    only when a state of another framework is loaded."""
+    from portable_attention.testing._convert import dtype_name, to_numpy
+
     half = dtype_name(getattr(x, "dtype", None)) == "bfloat16"
     return to_numpy(x, dtype="float32" if half else None)
 

@@ -43,7 +43,7 @@ def _pyplot() -> Any:
 
 
 def _to_numpy(weights: Any, name: str = "weights") -> npt.NDArray[np.float64]:
-    from portable_attention import _convert
+    from portable_attention.testing import _convert
 
     try:
         # bfloat16 (which NumPy has only through ml_dtypes): the converter's exact float64

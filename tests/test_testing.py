@@ -25,7 +25,6 @@ import array_api_compat
 import numpy as np
 import pytest
 from portable_attention import attend
-from portable_attention._convert import source_framework
 from portable_attention.testing import (
     BACKEND_NAMES,
     CASES,
@@ -41,6 +40,7 @@ from portable_attention.testing import (
     to_numpy,
     tolerance,
 )
+from portable_attention.testing._convert import source_framework
 
 import oracle
 from conftest import BY_NAME, ENV_VAR, Backend, requires_backend
@@ -355,7 +355,7 @@ def test_no_framework_is_imported_to_find_out() -> None:
     code = (
         "import sys, numpy as np\n"
         "from portable_attention.testing import to_numpy, to_backend, assert_backends_agree\n"
-        "from portable_attention._convert import source_framework\n"
+        "from portable_attention.testing._convert import source_framework\n"
         "a = np.ones((2, 3), dtype=np.float32)\n"
         "assert source_framework(a) == 'numpy' and to_numpy(a) is a\n"
         "assert to_backend(a, 'numpy') is a\n"
@@ -839,7 +839,7 @@ PLUGIN_CONFTEST = 'pytest_plugins = ["portable_attention.testing.pytest_plugin"]
 PLUGIN_TESTS = """
 import numpy as np
 import pytest
-from portable_attention._convert import source_framework
+from portable_attention.testing._convert import source_framework
 from portable_attention.testing import ArrayBackend, to_numpy
 
 
@@ -976,7 +976,7 @@ def test_bfloat16_as_float64_needs_no_ml_dtypes() -> None:
 def test_the_converters_own_errors_pass_through_by_type() -> None:
     """A refusal of the converter itself (its message says what to do) is a
     ConversionError, a TypeError, and reaches the caller unwrapped."""
-    from portable_attention._convert import ConversionError
+    from portable_attention.testing._convert import ConversionError
 
     with pytest.raises(ConversionError, match=r"^`x` has dtype float16, which array_api_strict"):
         to_backend(np.ones(2, dtype=np.float16), "array_api_strict")
@@ -1164,7 +1164,7 @@ def test_reference_shares_no_code_with_the_kernels() -> None:
         for alias in node.names
     }
     ours = {name for name in imported if name and name.startswith("portable_attention")}
-    assert ours == {"portable_attention._convert"}, ours
+    assert ours == {"portable_attention.testing._convert"}, ours
 
 
 # -- check_attention ------------------------------------------------------------------------

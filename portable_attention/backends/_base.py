@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import array_api_compat
+import numpy as np
 
 from portable_attention import _blockwise
 from portable_attention._block_loop import BlockLoop
@@ -213,6 +214,14 @@ class Adapter(ABC):
         read now (a compiler traces): the blockwise path then skips the blocks that
         segment ids or a ``mask_mod`` mask entirely."""
         return bool(x)
+
+    def to_host(self, x: Any) -> Any:
+        """A small boolean (or standard-dtype) array's values as a NumPy array (a host
+        read, copied from a device): what a block plan reads of a ``mask_mod``'s result."""
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            return np.asarray(x)
 
     def scores(self, xp: Any) -> Callable[[Any, Any], Any] | None:
         """``q @ k^T`` for ``xp``'s arrays where this framework has a faster formulation;

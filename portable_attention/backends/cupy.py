@@ -136,5 +136,8 @@ class CupyAdapter(Adapter):
     def device(self, x: Any) -> Any:
         return x.device
 
+    def to_host(self, x: Any) -> Any:
+        return x.get()
+
 
 ADAPTER = CupyAdapter()

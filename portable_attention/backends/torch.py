@@ -582,6 +582,9 @@ class TorchAdapter(Adapter):
     def concrete(self, x: Any) -> bool | None:
         return _concrete(x)
 
+    def to_host(self, x: Any) -> Any:
+        return x.detach().cpu().numpy()
+
     def tracing(self) -> bool:
         return bool(torch.compiler.is_compiling())
 

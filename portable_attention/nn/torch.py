@@ -56,7 +56,6 @@ from torch import nn
 
 from portable_attention import _checks
 from portable_attention._checks import type_name
-from portable_attention._convert import to_backend
 from portable_attention.mha import (
     PARAM_NAMES,
     SINKS,
@@ -332,6 +331,8 @@ class MultiHeadAttention(nn.Module):
         """Copy ``state`` (portable keys; NumPy, torch, JAX, ... arrays) into the parameters,
         cast to their dtype and device. Keys and shapes must match (``sinks`` only into a
         module built with ``sinks=True``)."""
+        from portable_attention.testing._convert import to_backend
+
         params = self.params()
         check_state_sinks(state, params, self.num_heads)
         _checks.check_state_keys(state, params)

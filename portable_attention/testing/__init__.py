@@ -21,7 +21,6 @@ For users' own test suites as much as for this package's:
   yields (``pytest_plugins = ["portable_attention.testing.pytest_plugin"]``).
 """
 
-from portable_attention._convert import BACKEND_NAMES, available_backends, to_backend, to_numpy
 from portable_attention.testing._agree import assert_backends_agree
 from portable_attention.testing._backend import ArrayBackend
 from portable_attention.testing._check import (
@@ -29,6 +28,12 @@ from portable_attention.testing._check import (
     AttentionReport,
     CaseResult,
     check_attention,
+)
+from portable_attention.testing._convert import (
+    BACKEND_NAMES,
+    available_backends,
+    to_backend,
+    to_numpy,
 )
 from portable_attention.testing._reference import Reference, reference_attention
 from portable_attention.testing._select import BACKENDS_ENV_VAR, selected_backends

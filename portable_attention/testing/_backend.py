@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention._convert import (
+from portable_attention.testing._convert import (
     check_name,
     import_backend,
     source_framework,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention._convert import (
+from portable_attention.testing._convert import (
     check_name,
     import_backend,
     to_backend,

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from portable_attention._convert import dtype_name, source_framework, to_backend, to_numpy
 from portable_attention.testing._backend import numpy_dtype
+from portable_attention.testing._convert import dtype_name, source_framework, to_backend, to_numpy
 from portable_attention.testing._reference import Reference, reference_attention
 from portable_attention.testing._tolerance import Tolerance, tolerance
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from portable_attention._convert import to_numpy
+from portable_attention.testing._convert import to_numpy
 
 
 class Reference(NamedTuple):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from portable_attention._convert import BACKEND_NAMES, cupy_has_gpu, import_backend
+from portable_attention.testing._convert import BACKEND_NAMES, cupy_has_gpu, import_backend
 
 BACKENDS_ENV_VAR = "PORTABLE_ATTENTION_BACKENDS"
 """The environment variable :func:`selected_backends` reads."""

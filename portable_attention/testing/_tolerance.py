@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from portable_attention._convert import dtype_name
+from portable_attention.testing._convert import dtype_name
 
 
 class Tolerance(NamedTuple):

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import pytest
 
-from portable_attention._convert import BACKEND_NAMES
 from portable_attention.testing._backend import ArrayBackend
+from portable_attention.testing._convert import BACKEND_NAMES
 from portable_attention.testing._select import BACKENDS_ENV_VAR, selected_backends
 
 ENV_VAR = BACKENDS_ENV_VAR
