@@ -258,7 +258,7 @@ def _torch_blockwise_grads(name: str, device: str, dtype: str, length: int) -> N
     dt = getattr(torch, dtype)
     chunk = max(length // 4, 1)
     p = plan(*(x.to(dt) for x in base[:3]), causal=True, chunk_size=chunk)
-    expect(f"{name} path", p.path == "portable:chunked", p.path)
+    expect(f"{name} path", p.path == "portable:blockwise", p.path)
     ref = grads(sdpa, torch.float64)
     theirs = grads(sdpa, dt)
     ours = grads(lambda q, k, v: attend(q, k, v, causal=True, chunk_size=chunk), dt)
@@ -430,7 +430,7 @@ def _jax_blockwise_grads(name: str, dtype: str, length: int) -> None:
         return jnp.swapaxes(jax.nn.dot_product_attention(*btnh, is_causal=True), 1, 2)
 
     p = plan(*(x.astype(dtype) for x in base[:3]), causal=True, chunk_size=chunk)
-    expect(f"{name} path", p.path == "portable:chunked", p.path)
+    expect(f"{name} path", p.path == "portable:blockwise", p.path)
     x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
     with x64(True):  # (older JAX: jax.experimental.enable_x64)
         ref = grads(nn, "float64")

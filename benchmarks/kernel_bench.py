@@ -199,17 +199,17 @@ def numpy_paths() -> None:
             e = np.exp(s - s.max(axis=-1, keepdims=True))
             return (e / e.sum(axis=-1, keepdims=True)) @ v
 
-        def native(q: Any = q, k: Any = k, v: Any = v) -> Any:
+        def tuned(q: Any = q, k: Any = k, v: Any = v) -> Any:
             return attend(q, k, v)
 
         def blockwise(q: Any = q, k: Any = k, v: Any = v) -> Any:
             return attend(q, k, v, implementation="portable", chunk_size=256)
 
-        times = {f.__name__: _best(f, 5) for f in (seed, native, blockwise)}
+        times = {f.__name__: _best(f, 5) for f in (seed, tuned, blockwise)}
         paths = plan(q, k, v).path, plan(q, k, v, implementation="portable", chunk_size=256).path
         print(
             f"numpy {name}: seed {times['seed'] * 1e3:.2f} ms, {paths[0]} "
-            f"{times['native'] / times['seed']:.2f}x, {paths[1]} "
+            f"{times['tuned'] / times['seed']:.2f}x, {paths[1]} "
             f"{times['blockwise'] / times['seed']:.2f}x of the seed formula"
         )
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from portable_attention import _blockwise, _core, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._options import Options, options
-from portable_attention._plan import BLOCKWISE_PATHS, Plan, choose
+from portable_attention._plan import BLOCKWISE, Plan, choose
 from portable_attention._spec import Call, validate_call
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Prepared
@@ -254,9 +254,8 @@ def _runner(call: Call, path: str) -> Runnable:
     arguments) is bound here, so a repeated call pays for the kernel and little else.
     """
     backend = adapter(call.backend)
-    if path.startswith("fused"):
-        fused = backend.fused
-        assert fused is not None
+    fused, tuned = backend.fused, backend.tuned
+    if fused is not None and path == fused.path:
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
@@ -264,11 +263,9 @@ def _runner(call: Call, path: str) -> Runnable:
 
         return Runnable(run_fused, fused.prepare(call) if not call.rng_given else None)
 
-    if path.startswith("native"):
-        native = backend.native
-        assert native is not None
+    if tuned is not None and path == tuned.path:
 
-        def run_native(
+        def run_tuned(
             q: Any,
             k: Any,
             v: Any,
@@ -280,12 +277,12 @@ def _runner(call: Call, path: str) -> Runnable:
         ) -> Any:
             keep = _keep_mask(call, rng)
             return _pack(
-                call, *_with_sinks(call, sinks, *native.run(call, q, k, v, mask, bias, keep, mods))
+                call, *_with_sinks(call, sinks, *tuned.run(call, q, k, v, mask, bias, keep, mods))
             )
 
-        return Runnable(run_native, None)
+        return Runnable(run_tuned, None)
 
-    if path in BLOCKWISE_PATHS:
+    if path == BLOCKWISE:  # else the dense path
 
         def run_blockwise(
             q: Any,
@@ -420,10 +417,10 @@ def attend_backward(
         The forward call's options, as :func:`attend` takes them.
     dropout, rng, chunk_size
         To replay dropout, the forward must have run the blockwise path
-        (``plan(...).path`` ``"portable:chunked"`` or ``"portable:blockwise"``, e.g. with
-        ``chunk_size=``); pass the same ``dropout``, the same ``chunk_size`` and an
-        ``rng`` in the state the forward's was in (a generator made again from the same
-        seed, or the same JAX key): each block's keep mask is drawn again from it.
+        (``plan(...).path == "portable:blockwise"``, e.g. with ``chunk_size=``); pass
+        the same ``dropout``, the same ``chunk_size`` and an ``rng`` in the state the
+        forward's was in (a generator made again from the same seed, or the same JAX key):
+        each block's keep mask is drawn again from it.
         Without dropout, ``chunk_size`` only sets the block length.
     dlse : array ``[..., Hq, Lq]``, optional
         The loss's gradient with respect to ``lse``, where the loss uses it.

@@ -16,11 +16,8 @@ from portable_attention._core import DENSE_LIMIT_BYTES, SAVED_LIMIT_BYTES, dense
 from portable_attention._spec import Call, fused_unavailable_error
 from portable_attention.backends import adapter
 
-PORTABLE = "portable"
-CHUNKED = "portable:chunked"
+DENSE = "portable:dense"
 BLOCKWISE = "portable:blockwise"
-#: The paths that run the blockwise algorithm (forward and backward).
-BLOCKWISE_PATHS = (CHUNKED, BLOCKWISE)
 
 
 @dataclass(frozen=True)
@@ -30,21 +27,25 @@ class Plan:
     Attributes
     ----------
     path : str
-        ``"fused:torch"``, ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's
-        fused kernel; ``"native:numpy"``: a NumPy-only blocked kernel; ``"native:jax"``:
-        the dense path on query blocks under ``lax.map`` (JAX on CPU); ``"native:dask"``:
-        ``attend`` on each batch/head chunk of dask arrays; ``"portable"``:
-        the array-API implementation with the whole score matrix (autodiff saves its
-        probabilities for backward); ``"portable:chunked"`` and ``"portable:blockwise"``:
-        the blockwise path, an online softmax over query and key blocks whose backward
-        (FlashAttention-2's) recomputes each block from the saved q, k, v, out and lse
-        (torch: an ``autograd.Function``; JAX: a ``custom_vjp`` over compiled loops;
-        elsewhere :func:`~portable_attention.attend_backward`: one kernel on every
-        framework). The name
-        says what chose it: ``"portable:chunked"`` for ``chunk_size=``, a block plan
-        that skips blocks, or dense scores over 256 MiB, ``"portable:blockwise"`` for
-        ``auto`` on torch or JAX where the dense path would save over 16 MiB of
-        probabilities for backward.
+        Three kinds, named ``kind:where``. ``"fused:torch"``, ``"fused:jax"``,
+        ``"fused:cupy-via-torch"``: the framework's own fused kernel (SDPA,
+        ``jax.nn.dot_product_attention``). ``"tuned:numpy"``: this package's NumPy-only
+        blocked kernel; ``"tuned:jax"``: the dense path on query blocks under
+        ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on each batch/head
+        chunk of dask arrays. ``"portable:dense"``: the array-API implementation with the
+        whole score matrix (autodiff saves its probabilities for backward);
+        ``"portable:blockwise"``: the array-API blockwise path, an online softmax over
+        query and key blocks whose backward (FlashAttention-2's) recomputes each block
+        from the saved q, k, v, out and lse (torch: an ``autograd.Function``; JAX: a
+        ``custom_vjp`` over compiled loops; elsewhere
+        :func:`~portable_attention.attend_backward`: one kernel on every framework).
+        ``implementation="portable"`` always gives a ``portable:*`` path; the reason
+        says what chose the blockwise one (``chunk_size=``, a block plan that skips
+        blocks, dense scores over 256 MiB, or, for ``auto`` on torch and JAX, over 16
+        MiB of probabilities that autodiff would save). Earlier names:
+        ``native:*`` for ``tuned:*``/``per-chunk:dask``, ``portable`` for
+        ``portable:dense`` and ``portable:chunked`` for one of the two spellings of
+        ``portable:blockwise`` (docs/migrating.md).
     reason : str
         In words, why this path and not a faster one.
     """
@@ -55,17 +56,17 @@ class Plan:
 
 def _portable(call: Call, why: str) -> Plan:
     if call.return_weights:
-        return Plan(PORTABLE, f"{why}; return_weights needs the whole score matrix")
+        return Plan(DENSE, f"{why}; return_weights needs the whole score matrix")
     plan = call.blocks
     if plan is not None and plan.density < 1:
         return Plan(
-            CHUNKED,
+            BLOCKWISE,
             f"{why}; the block plan of mask_mod keeps {len(plan.kept)} of its blocks "
             f"({plan.density:.0%}), so the blockwise path computes only those",
         )
     if dense_bytes(call) > DENSE_LIMIT_BYTES:
         return Plan(
-            CHUNKED,
+            BLOCKWISE,
             f"{why}; the dense scores would take over {DENSE_LIMIT_BYTES >> 20} MiB, "
             "so key/query blocks with an online softmax run (the blockwise backward "
             "recomputes them from lse)",
@@ -78,7 +79,7 @@ def _portable(call: Call, why: str) -> Plan:
             f"{SAVED_LIMIT_BYTES >> 20} MiB of probabilities for backward, so the blockwise "
             "path runs (it saves q, k, v, out and lse and recomputes each block in backward)",
         )
-    return Plan(PORTABLE, why)
+    return Plan(DENSE, why)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,7 +87,7 @@ def _decide(call: Call) -> Plan:
     implementation = call.implementation
     if call.chunk_size is not None:  # before any kernel: every backend would decline
         return Plan(
-            CHUNKED,
+            BLOCKWISE,
             f"chunk_size={call.chunk_size} asks for the portable chunked path (blocks of "
             "that size forward and in the blockwise backward)",
         )
@@ -100,12 +101,12 @@ def _decide(call: Call) -> Plan:
     if fused is not None and why is None:
         return Plan(fused.path, fused.why)
     assert why is not None
-    native = backend.native
-    if implementation == "auto" and native is not None:
-        not_native = native.reason(call)
-        if not_native is None:
-            return Plan(native.path, f"{why}; {native.why}")
-        why = f"{why}; not {native.path}: {not_native}"
+    tuned = backend.tuned
+    if implementation == "auto" and tuned is not None:
+        declined = tuned.reason(call)
+        if declined is None:
+            return Plan(tuned.path, f"{why}; {tuned.why}")
+        why = f"{why}; not {tuned.path}: {declined}"
     return _portable(call, why)
 
 

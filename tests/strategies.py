@@ -20,7 +20,7 @@ sizes.
 JAX compiles every operation afresh for each new shape (about 1 s per eager call here), so on
 JAX the dims come from :data:`JAX_DIMS`, a fixed menu that covers the same cases (every rank,
 GQA and MQA, ``Lq != Lk``, empty sequences, several blocks, ``Dk != Dv``, 600 queries for the
-``native:jax`` query-blocked kernel); everything else is drawn as on the other backends.
+``tuned:jax`` query-blocked kernel); everything else is drawn as on the other backends.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ JAX_DIMS = (
     _d((1, 2), (2, 2), 4, 9, 8, 8),
     _d((2,), (2, 2), 4, 0, 4, 3),
     _d((1,), (2, 1), 37, 70, 8, 8),
-    _d((1,), (2, 1), 600, 24, 8, 8),  # native:jax (512+ queries): 2 blocks of 256 and a tail
+    _d((1,), (2, 1), 600, 24, 8, 8),  # tuned:jax (512+ queries): 2 blocks of 256 and a tail
 )
 #: Dtypes drawn on JAX: mostly float32, the one its fused path and gradients take.
 JAX_DTYPES = ("float32", "float32", "float32", "float64", "float16", "bfloat16")

@@ -257,10 +257,10 @@ def check_case(
                     attend(q, k, v, **call)
                 continue
             assert p.path.startswith("fused"), p
-        if path == "auto" and plan(q, k, v, **call).path == "portable":
+        if path == "auto" and plan(q, k, v, **call).path == "portable:dense":
             # the very runner the `portable` parameter runs on this case (JAX on the CPU
             # below 512 queries, weights on torch): nothing of its own to run
-            assert plan(q, k, v, **{**call, **PATHS["portable"]}).path == "portable"
+            assert plan(q, k, v, **{**call, **PATHS["portable"]}).path == "portable:dense"
             continue
         result = attend(q, k, v, **call)
         ran += 1
@@ -350,7 +350,7 @@ def test_auto_is_the_portable_path_where_no_kernel_applies() -> None:
         with b.flags():
             for case in CASES:
                 (q, k, v), kwargs, _ = _inputs(b, "float32", case)
-                assert plan(q, k, v, **kwargs).path == "portable", (b, case.id)
+                assert plan(q, k, v, **kwargs).path == "portable:dense", (b, case.id)
                 with pytest.raises(ValueError, match=r"`implementation\b"):
                     plan(q, k, v, implementation="fused", **kwargs)
 

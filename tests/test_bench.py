@@ -117,5 +117,5 @@ def test_training_rows_measure_each_call_in_its_own_process(
             assert r["time_ratio"] > 0 and r["rss_ratio"] > 0
     if "torch" in backends:
         torch_row = next(r for r in rows if r["backend"] == "torch")
-        assert torch_row["path"] == "portable" and torch_row["anchor"] == "SDPA causal"
+        assert torch_row["path"] == "portable:dense" and torch_row["anchor"] == "SDPA causal"
     assert "speed = anchor time / our time" in capsys.readouterr().out

@@ -203,10 +203,10 @@ def test_auto_runs_attend_per_chunk_where_it_can() -> None:
     batch/head chunk's NumPy arrays (the sequence axis joined within each), GQA heads
     chunked to match; the rest takes the portable path, and says why."""
     (q, k, v), (dq, dk, dv) = _arrays("per-chunk", chunks=(1, 2, 16, D))
-    assert pa.plan(dq, dk, dv, causal=True).path == "native:dask"
-    assert pa.plan(dq, dk, dv, implementation="portable").path == "portable"
+    assert pa.plan(dq, dk, dv, causal=True).path == "per-chunk:dask"
+    assert pa.plan(dq, dk, dv, implementation="portable").path == "portable:dense"
     masked = pa.plan(dq, dk, dv, mask=da.from_array(CASES["mask"]["mask"]))
-    assert masked.path == "portable" and "mask or bias" in masked.reason
+    assert masked.path == "portable:dense" and "mask or bias" in masked.reason
     with _lazy():
         out, lse = pa.attend(dq, dk, dv, causal=True, softcap=5.0, return_lse=True)
     assert out.chunks[:3] == (*dq.chunks[:2], (L,))

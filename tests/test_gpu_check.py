@@ -39,7 +39,7 @@ def test_torch_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
 
 @requires_backend("jax")
 def test_jax_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
-    gpu_check.jax_checks([(1, 2, 8, 8)], ("float32",), "portable")
+    gpu_check.jax_checks([(1, 2, 8, 8)], ("float32",), "portable:dense")
     assert gpu_check.failures == []
     # Path and agreement, plain and causal window; rows 0, finite and zero gradients.
     assert len(gpu_check.passed) == 2 * 2 + 3

@@ -540,12 +540,12 @@ def _forms_of(b: Backend, path: str) -> list[tuple[bool, bool]]:
 
 def expected_path(b: Backend, case: Case, path: str, weights: bool) -> str:
     if path == "chunked":
-        return "portable:chunked"
+        return "portable:blockwise"
     if path == "auto" and b.name == "numpy" and not case.modded:
-        return "native:numpy"  # takes sinks and segment ids, not the mods
+        return "tuned:numpy"  # takes sinks and segment ids, not the mods
     if case.block_plan is not None and not weights:
-        return "portable:chunked"  # the plan skips blocks (test_block_plans_match_brute_force)
-    return "portable"
+        return "portable:blockwise"  # the plan skips blocks (test_block_plans_match_brute_force)
+    return "portable:dense"
 
 
 def run_case(b: Backend, dtype_name: str, case: Case, path: str) -> None:
@@ -646,7 +646,7 @@ def test_cases_cover_what_they_claim() -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_plan_says_the_path(backend: Backend, case: Case) -> None:
     """Every path and form of every case: what plan() picks (torch and JAX decline their
-    fused kernels, NumPy's native kernel takes sinks and segment ids but not the mods,
+    fused kernels, NumPy's tuned kernel takes sinks and segment ids but not the mods,
     JAX's declines all); ``implementation="fused"`` raises with the reason naming what
     the kernel does not take."""
     inp = make_inputs(backend, "float64", case)
@@ -1266,7 +1266,7 @@ def test_torch_gradcheck_chunked_sinks_score_mod() -> None:
         )
         return out, lse
 
-    assert plan(q, k, v, chunk_size=2, sinks=sinks).path == "portable:chunked"
+    assert plan(q, k, v, chunk_size=2, sinks=sinks).path == "portable:blockwise"
     assert torch.autograd.gradcheck(f, (q, k, v, sinks, table), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
@@ -1391,7 +1391,7 @@ def test_errors_for_block_plans(backend: Backend) -> None:
     with pytest.raises(TypeError, match=r"`mask_mod`.*boolean"):
         block_plan(lambda b, h, qi, ki: qi - ki, 6, 6, like=q)
     # the plan's own block length, or chunk_size equal to it, is accepted
-    assert plan(q, k, v, mask_mod=fits, chunk_size=2).path == "portable:chunked"
+    assert plan(q, k, v, mask_mod=fits, chunk_size=2).path == "portable:blockwise"
 
 
 def test_errors_for_attend_backward(backend: Backend) -> None:

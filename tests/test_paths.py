@@ -37,12 +37,12 @@ def _qkv(backend: Backend, shape_q: tuple, shape_kv: tuple, dtype: str = "float3
         ({}, "fused:torch", "scaled_dot_product_attention"),
         ({"causal": True}, "fused:torch", "scaled_dot_product_attention"),
         ({"window": (2, 1)}, "fused:torch", "scaled_dot_product_attention"),
-        ({"return_weights": True}, "portable", "return_weights"),
-        ({"return_lse": True}, "portable", "return_lse"),
-        ({"softcap": 2.0}, "portable", "softcap"),
-        ({"dropout": 0.1, "rng": "seeded"}, "portable", "rng"),
+        ({"return_weights": True}, "portable:dense", "return_weights"),
+        ({"return_lse": True}, "portable:dense", "return_lse"),
+        ({"softcap": 2.0}, "portable:dense", "softcap"),
+        ({"dropout": 0.1, "rng": "seeded"}, "portable:dense", "rng"),
         ({"dropout": 0.1}, "fused:torch", "scaled_dot_product_attention"),
-        ({"chunk_size": 4}, "portable:chunked", "chunk_size"),
+        ({"chunk_size": 4}, "portable:blockwise", "chunk_size"),
     ],
 )
 def test_torch_plan(kwargs: dict, path: str, reason: str) -> None:
@@ -62,7 +62,7 @@ def test_jax_plan_on_cpu_prefers_portable_by_measurement() -> None:
     backend = BY_NAME["jax"]
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
     auto = plan(q, k, v)
-    assert auto.path == "portable"
+    assert auto.path == "portable:dense"
     assert "CPU" in auto.reason and "measured" in auto.reason
     assert plan(q, k, v, implementation="fused").path == "fused:jax"
     q64, k64, v64 = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8), "float64")
@@ -78,21 +78,21 @@ def test_numpy_plan_is_native() -> None:
     backend = BY_NAME["numpy"]
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
     p = plan(q, k, v, return_weights=True, causal=True, softcap=3.0)
-    assert p.path == "native:numpy"
+    assert p.path == "tuned:numpy"
     assert "no fused attention kernel" in p.reason
-    assert plan(q, k, v, chunk_size=8).path == "portable:chunked"
-    assert plan(q, k, v, implementation="portable").path == "portable"
+    assert plan(q, k, v, chunk_size=8).path == "portable:blockwise"
+    assert plan(q, k, v, implementation="portable").path == "portable:dense"
 
 
 def test_large_dense_scores_take_the_chunked_path(backend: Backend) -> None:
     """plan() only: 8 heads x 4096 x 4096 float64 scores would take 1 GiB."""
     if backend.name == "numpy":
-        pytest.skip("NumPy's native kernel blocks its queries itself")
+        pytest.skip("NumPy's tuned kernel blocks its queries itself")
     q, k, v = _qkv(backend, (1, 8, 4096, 4), (1, 8, 4096, 4), "float64")
     p = plan(q, k, v, implementation="portable")
-    assert p.path == "portable:chunked"
+    assert p.path == "portable:blockwise"
     assert "MiB" in p.reason
-    assert plan(q, k, v, implementation="portable", return_weights=True).path == "portable"
+    assert plan(q, k, v, implementation="portable", return_weights=True).path == "portable:dense"
 
 
 def test_plan_depends_on_options_not_data(backend: Backend) -> None:
@@ -163,7 +163,7 @@ def test_numpy_threaded_kernel_matches_oracle() -> None:
     assert numpy_backend._THREADS_MIN_ELEMENTS <= 2 * 8 * 512 * 512  # threads, or no test
     mask = rng.random((512, 512)) < 0.9
     mask[7] = False
-    assert plan(q, k, v, mask=mask).path == "native:numpy"
+    assert plan(q, k, v, mask=mask).path == "tuned:numpy"
     out, lse = attend(q, k, v, mask=mask, causal=True, return_lse=True)
     ref_out, _, ref_lse = oracle.attention(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask, causal=True
@@ -227,7 +227,7 @@ def test_numpy_softmax_without_max_pass_or_with_it(
         q_off = np.concatenate([q / 4, np.broadcast_to(row_offset, (1, 4, lq, 1))], axis=-1)
         k_one = np.concatenate([k, np.ones((1, 4, 50, 1), dtype=dtype)], axis=-1)
         args = {"q": q_off.astype(dtype), "k": k_one, "v": v, "scale": 1.0}
-    assert plan(**args).path == "native:numpy"
+    assert plan(**args).path == "tuned:numpy"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, lse = attend(**args, return_lse=True)
@@ -624,7 +624,7 @@ def test_jax_native_query_blocks(shape_q: tuple, shape_kv: tuple, kwargs: dict) 
     j_kwargs = {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in np_kwargs.items()}
     q, k, v = (backend.asarray(x, "float32") for x in (q64, k64, v64))
 
-    assert plan(q, k, v, **j_kwargs).path == "native:jax"
+    assert plan(q, k, v, **j_kwargs).path == "tuned:jax"
     out, weights, lse = attend(q, k, v, return_weights=True, return_lse=True, **j_kwargs)
     ref_out, ref_w, ref_lse = oracle.attention(q64, k64, v64, **np_kwargs)
     assert_like(out, q, shape=ref_out.shape, dtype=jnp.float32, name="out")
@@ -662,9 +662,9 @@ def test_jax_native_under_vmap_and_below_two_blocks() -> None:
         "float32",
     )
     short = _qkv(backend, (1, 2, 511, 8), (1, 2, 511, 8))
-    assert plan(*short).path == "portable"
+    assert plan(*short).path == "portable:dense"
     assert "512 queries" in plan(*short).reason
-    assert plan(q, k, v, dropout=0.1, rng=jax.random.key(0)).path == "portable"
+    assert plan(q, k, v, dropout=0.1, rng=jax.random.key(0)).path == "portable:dense"
 
 
 _WINDOWS = [None, 0, 1, 2, (None, 0), (1, None), (0, 3), (3, 0), (None, None)]
@@ -698,7 +698,7 @@ def test_torch_decode_step_with_causal_runs_sdpa_without_a_mask() -> None:
 
 @requires_backend("jax")
 def test_jax_native_compiles_once_when_eager(caplog: pytest.LogCaptureFixture) -> None:
-    """Eager calls on ``native:jax`` (CPU, >= 512 queries) reuse one compiled program:
+    """Eager calls on ``tuned:jax`` (CPU, >= 512 queries) reuse one compiled program:
     the ``lax.map`` over a new closure compiled again on every call (540 ms against 7).
     Seen through ``jax.log_compiles()``, JAX's public switch that logs every trace and
     compilation: the repeated calls log none."""
@@ -706,7 +706,7 @@ def test_jax_native_compiles_once_when_eager(caplog: pytest.LogCaptureFixture) -
 
     backend = BY_NAME["jax"]
     q, k, v = _qkv(backend, (1, 2, 512, 16), (1, 2, 512, 16))
-    assert plan(q, k, v).path == "native:jax"
+    assert plan(q, k, v).path == "tuned:jax"
     first = attend(q, k, v, causal=True)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="jax"), jax.log_compiles():
@@ -748,6 +748,6 @@ def test_calls_and_memo_keys_on_a_device_type_that_is_not_hashable() -> None:
     call = validate_call(q, q, q, options(implementation="portable"))
     on = [dataclasses.replace(call, device=_UnhashableDevice(n)) for n in (0, 0, 1)]
     assert hash(on[0]) == hash(on[1]) and on[0] == on[1] and on[0] != on[2]
-    assert _plan.choose(on[0]).path == "portable"
+    assert _plan.choose(on[0]).path == "portable:dense"
     key = _memo._generic_key(lambda x: _UnhashableDevice(0))
     assert hash(key(q)) == hash(key(q))

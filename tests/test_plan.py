@@ -1,7 +1,7 @@
 """plan(): which path attend() takes and why.
 
 The portable path is always available (``implementation="portable"``); ``auto`` may pick a
-framework's fused kernel (``fused:<framework>``) or a native kernel (``native:<framework>``)
+framework's fused kernel (``fused:<framework>``) or a tuned kernel (``tuned:<framework>``)
 where its result matches the contract; ``implementation="fused"`` raises a ValueError that
 names `implementation` and gives the reason where no fused kernel applies. That every path
 matches the oracle is tested in test_attend.py.
@@ -19,7 +19,7 @@ import oracle
 from conftest import Backend
 from helpers import assert_close, randn, rng_for
 
-PORTABLE_PATHS = ("portable", "portable:chunked", "portable:blockwise")
+PORTABLE_PATHS = ("portable:dense", "portable:blockwise")
 
 
 def qkv(backend: Backend, dtype: str = "float32"):
@@ -35,9 +35,9 @@ def check_plan(backend: Backend, p: object) -> None:
     assert isinstance(p.reason, str)
     assert p.reason.strip()
     kind, _, where = p.path.partition(":")
-    assert p.path in PORTABLE_PATHS or (kind in ("fused", "native") and where), p.path
+    assert p.path in PORTABLE_PATHS or (kind in ("fused", "tuned", "per-chunk") and where), p.path
     if backend.name.startswith("array_api_strict"):
-        # a generic array-API library has no fused or native kernel
+        # a generic array-API library has no fused or tuned kernel
         assert p.path in PORTABLE_PATHS, p
 
 
@@ -64,7 +64,7 @@ def test_plan_portable_when_asked(backend: Backend, float_dtype: str, kwargs: di
     q, k, v = qkv(backend, float_dtype)
     p = plan(q, k, v, implementation="portable", **kwargs)
     check_plan(backend, p)
-    assert p.path == "portable"
+    assert p.path == "portable:dense"
 
 
 def test_plan_with_mask_bias_and_dropout(backend: Backend) -> None:
@@ -74,7 +74,7 @@ def test_plan_with_mask_bias_and_dropout(backend: Backend) -> None:
     kwargs = {"mask": mask, "bias": bias, "dropout": 0.2, "rng": backend.make_rng(0)}
     check_plan(backend, plan(q, k, v, **kwargs))
     p = plan(q, k, v, implementation="portable", **kwargs)
-    assert p.path == "portable"
+    assert p.path == "portable:dense"
 
 
 def test_plan_is_frozen(backend: Backend) -> None:
@@ -112,7 +112,7 @@ def test_fused_raises_where_none_applies(backend: Backend) -> None:
             attend(q, k, v, implementation="fused", **kwargs)
         if auto.path in PORTABLE_PATHS:
             # the reason auto gives for not taking a fused kernel (its first clause; a
-            # native kernel's may follow) is the error's reason
+            # tuned kernel's may follow) is the error's reason
             assert auto.reason.split("; ")[0] in str(info.value)
         with pytest.raises(ValueError, match=r"`implementation\b"):
             plan(q, k, v, implementation="fused", **kwargs)

@@ -200,11 +200,11 @@ def test_report_agrees_and_prints_table_and_json(
     by_key = {(r["case"], r["backend"], r["dtype"]): r for r in rows}
     case = next(c for c in _cases.battery() if c.name == "plain")
     q, k, v = (case.arrays[n].astype(np.float32) for n in "qkv")
-    assert by_key[("plain", "numpy", "float32")]["path"] == plan(q, k, v).path == "native:numpy"
-    assert by_key[("weights", "numpy", "float32")]["path"] == "native:numpy"
+    assert by_key[("plain", "numpy", "float32")]["path"] == plan(q, k, v).path == "tuned:numpy"
+    assert by_key[("weights", "numpy", "float32")]["path"] == "tuned:numpy"
     if "torch" in REPORT_BACKENDS:
         assert by_key[("plain", "torch", "float32")]["path"] == "fused:torch"
-        assert by_key[("weights", "torch", "float32")]["path"] == "portable"
+        assert by_key[("weights", "torch", "float32")]["path"] == "portable:dense"
         assert by_key[("plain", "torch", "bfloat16")]["max_abs"] > 1e-4  # bfloat16 is coarse
 
 
@@ -218,9 +218,9 @@ def test_whole_battery_in_float32(tmp_path: Path) -> None:
     assert {r["dtype"] for r in rows} == {"float32"}
     assert all(r["ok"] for r in rows)  # within the table's float32 row, by the report's check
     paths = {(r["case"], r["backend"]): r["path"] for r in rows}
-    assert paths[("chunked", "numpy")] == "portable:chunked"
+    assert paths[("chunked", "numpy")] == "portable:blockwise"
     if "torch" in REPORT_BACKENDS:
-        assert paths[("softcap", "torch")] == "portable"  # SDPA has no softcap
+        assert paths[("softcap", "torch")] == "portable:dense"  # SDPA has no softcap
         assert paths[("masked_rows", "torch")] == "fused:torch"
 
 
@@ -471,8 +471,8 @@ def test_module_entry_point_runs_the_report(tmp_path: Path) -> None:
     assert "All 2 results agree" in done.stdout
     rows = _rows_of(out_json)
     assert [(r["dtype"], r["path"]) for r in rows] == [
-        ("float32", "native:numpy"),
-        ("float16", "native:numpy"),
+        ("float32", "tuned:numpy"),
+        ("float16", "tuned:numpy"),
     ]
     assert all(math.isfinite(r["max_abs"]) for r in rows)
 

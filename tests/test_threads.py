@@ -77,7 +77,7 @@ def _numpy_threaded_jobs() -> list[Job]:
     rng = rng_for("threads", "numpy-big")
     q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
     mask = rng.random((512, 512)) < 0.8
-    assert plan(q, k, v).path == "native:numpy"
+    assert plan(q, k, v).path == "tuned:numpy"
     assert q.size // 16 * 512 >= numpy_backend._THREADS_MIN_ELEMENTS  # threads, or no test
     return [
         ("numpy-big", lambda: attend(q, k, v)),

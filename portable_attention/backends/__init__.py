@@ -2,7 +2,7 @@
 
 Each module defines ``ADAPTER``, an instance of a subclass of
 :class:`portable_attention.backends._base.Adapter`: the RNG for dropout, the scores'
-matmul where the framework has a faster one, and its fused and native kernels where it
+matmul where the framework has a faster one, and its fused and tuned kernels where it
 has them (see :mod:`portable_attention.backends._base`). A new backend is a module here
 and one line in ``_MODULES``.
 """

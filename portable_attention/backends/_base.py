@@ -9,8 +9,9 @@ An :class:`Adapter` binds what the array API standard cannot express for one fra
   argument.
 - ``fused``: the framework's fused kernel (``implementation="fused"`` asks for it), or
   None.
-- ``native``: a kernel of the package's own written for this framework (NumPy's blocked
-  kernel, JAX's query blocks under ``lax.map``), which only ``auto`` takes, or None.
+- ``tuned``: a kernel of the package's own written for this framework (NumPy's blocked
+  kernel, JAX's query blocks under ``lax.map``, dask's per-chunk calls), which only
+  ``auto`` takes, or None; its path is ``tuned:<framework>`` (``per-chunk:dask``).
 - ``block_keep(rng, p, xp, device)``: dropout's keep masks for the blockwise path, one
   per block, each a deterministic function of ``rng`` and the block's number
   (:data:`~portable_attention._blockwise.BlockKeep`), so that the backward draws the
@@ -68,7 +69,7 @@ MemoKeys = tuple[Callable[[Any], Any], Callable[[Any, Any, Any], Any]]
 class Kernel(ABC):
     """A kernel besides the portable path, with the reasons the planner reports."""
 
-    #: The plan's path while this kernel runs (``"fused:torch"``, ``"native:numpy"``).
+    #: The plan's path while this kernel runs (``"fused:torch"``, ``"tuned:numpy"``).
     path: ClassVar[str]
     #: The plan's reason while this kernel runs, in words.
     why: ClassVar[str]
@@ -114,7 +115,7 @@ class Adapter(ABC):
     #: What ``rng=`` takes on this framework, in words (in messages).
     rng: ClassVar[str]
     fused: Kernel | None = None
-    native: Kernel | None = None
+    tuned: Kernel | None = None
     #: Whether this framework's autodiff differentiates through ``attend``: its dense
     #: path would save the probabilities ``[..., Lq, Lk]`` for backward.
     autodiff: ClassVar[bool] = False

@@ -28,7 +28,7 @@ class PerChunk(Kernel):
     axes are joined into one chunk each (a no-op where they are already), K/V's heads
     chunked to match q's groups."""
 
-    path = "native:dask"
+    path = "per-chunk:dask"
     why = (
         "attend runs on each batch/head chunk's own arrays (one task per chunk: NumPy's "
         "kernel on NumPy chunks), the sequence axis whole within each"
@@ -103,7 +103,7 @@ class DaskAdapter(GenericAdapter):
     chunk where the call allows."""
 
     name = "dask"
-    native = PerChunk()
+    tuned = PerChunk()
 
     def concrete(self, x: Any) -> bool | None:
         return None  # bool(x) would compute the graph

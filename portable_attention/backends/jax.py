@@ -25,9 +25,9 @@ from portable_attention.backends._base import Adapter, Kernel
 
 NAME = "JAX"
 RNG = "a JAX PRNG key (`jax.random.key(0)` or `jax.random.PRNGKey(0)`)"
-#: From this many query rows on, the native kernel splits the queries into blocks.
+#: From this many query rows on, the tuned kernel splits the queries into blocks.
 LONG_QUERIES = 512
-#: Query rows per block of the native kernel (256 measured best of 128/256/512 at L=2048);
+#: Query rows per block of the tuned kernel (256 measured best of 128/256/512 at L=2048);
 #: it runs from two blocks on.
 _BLOCK_ROWS = LONG_QUERIES // 2
 
@@ -237,7 +237,7 @@ def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -
     return jnp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1]))
 
 
-def _native_reason(call: _spec.Call) -> str | None:
+def _tuned_reason(call: _spec.Call) -> str | None:
     """Why the query-blocked kernel does not take ``call`` (None: it does)."""
     if call.modded:
         return "segment ids and score/mask mods run on the blockwise or dense path"
@@ -263,7 +263,7 @@ def _rows(x: Any, start: Any, size: int, lq: int) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _native_kernel(call: _spec.Call) -> Any:
+def _tuned_kernel(call: _spec.Call) -> Any:
     """The jitted blocked kernel of a call (a Call is hashable): traced afresh, the
     ``lax.map`` closure was compiled again on every eager call (540 ms against 7 ms)."""
     return jax.jit(functools.partial(_blocked, call))
@@ -275,7 +275,7 @@ def _run_native(
     """``_core.dense`` on blocks of ``_BLOCK_ROWS`` queries in a ``lax.map`` (then the
     remaining rows): same results, scores of one block at a time. jit/vmap/grad-safe;
     compiled once per call signature when called eagerly. No dropout reaches it."""
-    return _native_kernel(call)(q, k, v, mask, bias)
+    return _tuned_kernel(call)(q, k, v, mask, bias)
 
 
 def _blocked(
@@ -603,7 +603,7 @@ class DotProductAttention(Kernel):
 class QueryBlocks(Kernel):
     """The portable dense path on query blocks under ``lax.map`` (JAX on CPU)."""
 
-    path = "native:jax"
+    path = "tuned:jax"
     why = (
         f"the portable dense path runs on blocks of {_BLOCK_ROWS} queries in a lax.map, so "
         "each block's scores stay in cache (on CPU, measured about 2x the unblocked dense "
@@ -611,7 +611,7 @@ class QueryBlocks(Kernel):
     )
 
     def reason(self, call: _spec.Call) -> str | None:
-        return _native_reason(call)
+        return _tuned_reason(call)
 
     def run(
         self,
@@ -633,7 +633,7 @@ class JaxAdapter(Adapter):
     name = NAME
     rng = RNG
     fused = DotProductAttention()
-    native = QueryBlocks()
+    tuned = QueryBlocks()
     autodiff = True
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:

@@ -1,4 +1,4 @@
-"""NumPy: a native kernel (NumPy has no fused attention) and dropout from a
+"""NumPy: a tuned kernel of our own (NumPy has no fused attention) and dropout from a
 ``numpy.random.Generator`` (the generic adapter's RNG).
 
 The kernel is the portable algorithm with NumPy-only tricks: the scale folded into q
@@ -95,10 +95,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class BlockedKernel(Kernel):
-    """The NumPy-native blocked kernel (NumPy has no fused attention)."""
+    """The NumPy-only blocked kernel (NumPy has no fused attention)."""
 
-    path = "native:numpy"
-    why = "the NumPy-native blocked kernel runs (in-place softmax, blocks of queries)"
+    path = "tuned:numpy"
+    why = "the NumPy-only blocked kernel runs (in-place softmax, blocks of queries)"
 
     def reason(self, call: _spec.Call) -> str | None:
         """It takes every call that reaches it but those with a score_mod or mask_mod:
@@ -126,7 +126,7 @@ class NumpyAdapter(Adapter):
 
     name = "NumPy"
     rng = "a numpy.random.Generator (e.g. `numpy.random.default_rng(0)`)"
-    native = BlockedKernel()
+    tuned = BlockedKernel()
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return numpy_keep_mask(xp.__name__, self.rng, rng, p, xp, device)
