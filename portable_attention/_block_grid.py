@@ -177,7 +177,7 @@ def prepared(
     """The operands (and segment ids) of a pass, padded to whole blocks on a padded
     loop: padded keys are masked (:meth:`_Pass.band`), padded query rows dropped."""
     size = block_size(call, loop)
-    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
+    ops = operands(call, q, k, v, mask, bias, q_factor=_core.q_factor(call))
     nq, nk = grid(call, size)
     lqp, lkp = nq * size, nk * size
 
@@ -235,9 +235,3 @@ def trimmed(x: Any, length: int, axis: int) -> Any:
     index = [slice(None)] * x.ndim
     index[x.ndim + axis] = slice(0, length)
     return x[tuple(index)]
-
-
-def q_factor(call: Call) -> float:
-    """What q is multiplied by before its blocks' scores: the scale, over ``softcap``
-    where one is given (``tanh`` then takes the product as it is: one pass less)."""
-    return call.scale / call.softcap if call.softcap is not None else call.scale

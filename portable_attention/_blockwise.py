@@ -40,10 +40,9 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from portable_attention import _core, _mods
+from portable_attention import _core
 from portable_attention._block_grid import (
     Concrete,
-    Pass,
     Span,
     block_number,
     masked_out,
@@ -160,9 +159,10 @@ def forward(
             if loop.static and masked_out(call, allow, concrete, mods):
                 return state
             kb = loop.take(ops.k, *cols, -2)
-            s, _ = block_scores(
-                run, qb, kb, rows, cols, scores, allow=allow, math=math, zero_after=bounded
-            )
+            s, _ = _core.block_scores(
+                call, qb, kb, rows, cols, bias=run.block(ops.bias, rows, cols), mods=mods,
+                allow=allow, math=math, scores=scores, zero_after=bounded,
+            )  # fmt: skip
             if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
                 e = math.exp(s)
                 if allow is not None:
@@ -217,52 +217,6 @@ def block_math(call: Call, math: BlockMath | None) -> BlockMath:
     if math is None or call.score_mod:
         return BlockMath(call.xp)
     return math
-
-
-def block_scores(
-    run: Pass,
-    qb: Any,
-    kb: Any,
-    rows: Span,
-    cols: Span,
-    scores: Scores | None,
-    *,
-    allow: Any,
-    math: BlockMath,
-    need_t: bool = False,
-    zero_after: bool = False,
-    score_fn: Callable[[Any, Span, Span], Any] | None = None,
-) -> tuple[Any, Any]:
-    """``(s, t)`` of one block: the scores after softcap, bias, ``score_mod`` and the
-    block's mask ``allow`` (``-inf`` where masked), and, where ``need_t``, ``t = tanh(q
-    k^T * scale / softcap)`` (None without softcap), from operands whose q carries
-    :func:`q_factor`. ``score_fn(s, rows, cols)`` applies the ``score_mod`` (the
-    backward's records its vector-Jacobian product).
-
-    ``zero_after``: leave the mask out; the caller zeroes the masked probabilities after
-    ``exp`` instead (where the scores are bounded, :func:`bounded_scores`): ``exp(-inf)``
-    takes about 5x the time of ``exp`` of a finite number on torch's CPU kernels."""
-    call, xp, mods = run.call, run.call.xp, run.mods
-    if scores is not None:
-        s = scores(qb, kb)
-    else:
-        s = math.product(qb, xp.matrix_transpose(kb), slot="scores")
-    t = None
-    if call.softcap is not None:
-        if need_t:
-            t = math.tanh(s)
-            s = math.scaled_copy(t, call.softcap)
-        else:
-            s = math.scaled(math.tanh(s), call.softcap)
-    if run.ops.bias is not None:
-        s = math.add(s, run.block(run.ops.bias, rows, cols))
-    if score_fn is not None:
-        s = score_fn(s, rows, cols)
-    elif mods is not None and mods.score_mod is not None:
-        s = _mods.apply_score_mod(call, mods, s, rows, cols)
-    if allow is not None and not zero_after:
-        s = math.masked(s, allow)
-    return s, t
 
 
 def grouped(call: Call, x: Any, *, last: int | None) -> Any:
@@ -452,14 +406,16 @@ def backward_and_consts(
                     return s_mod
 
             if fold_lse:
-                s_lse, t = block_scores(
-                    run, loop.take(q_aug, *rows, -2), kb_aug, rows, cols, scores, allow=allow,
-                    math=math,
+                s_lse, t = _core.block_scores(
+                    call, loop.take(q_aug, *rows, -2), kb_aug, rows, cols,
+                    bias=run.block(ops.bias, rows, cols), mods=run.mods, allow=allow,
+                    math=math, scores=scores,
                 )  # fmt: skip
                 p = math.exp(s_lse)
             else:
-                s, t = block_scores(
-                    run, qb, kb, rows, cols, scores, allow=allow, math=math, need_t=True,
+                s, t = _core.block_scores(
+                    call, qb, kb, rows, cols, bias=run.block(ops.bias, rows, cols),
+                    mods=run.mods, allow=allow, math=math, scores=scores, need_t=True,
                     zero_after=bounded, score_fn=score_fn,
                 )  # fmt: skip
                 if bounded:

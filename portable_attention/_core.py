@@ -9,7 +9,8 @@ broadcasting K/V over ``G``, so K/V are never copied per head.
 (:mod:`portable_attention._blockwise`) walks query and key blocks with an online softmax
 (running max and sum) and has a backward of its own, so its peak memory is
 ``O((Lq + Lk) * D + block**2)`` per head instead of ``O(Lq * Lk)``. Its blocks reuse this
-module's operands, masks and scores.
+module's operands, masks and score pipeline (:func:`block_scores`, of which the dense
+path's block is the whole matrix).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from portable_attention import _mods
 from portable_attention import masks as _masks
+from portable_attention._block_math import BlockMath
 from portable_attention._mods import Mods
 from portable_attention._spec import Call
 
@@ -260,40 +262,63 @@ def block_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
     return x[..., r, c]
 
 
-def _masked_scores(
+def q_factor(call: Call) -> float:
+    """What q is multiplied by before the scores of the portable paths: the scale, over
+    ``softcap`` where one is given (``tanh`` then takes the product as it is: one pass
+    less)."""
+    return call.scale / call.softcap if call.softcap is not None else call.scale
+
+
+def block_scores(
     call: Call,
-    ops: Operands,
-    rows: tuple[int, int],
-    cols: tuple[int, int],
+    qb: Any,
+    kb: Any,
+    rows: tuple[Any, int],
+    cols: tuple[Any, int],
     *,
-    whole: bool,
-    scores: Scores | None,
-    band: bool = True,
-    mods: Mods | None = None,
-) -> Any:
-    """Scores of one block: ``q @ k^T``, softcap, ``+ bias``, ``score_mod``, then ``-inf``
-    where masked (``band=False``: ``causal``/``window`` are already in the mask; the mask
-    of segment ids and ``mask_mod`` from ``mods``)."""
+    bias: Any,
+    mods: Mods | None,
+    allow: Any,
+    math: BlockMath,
+    scores: Scores | None = None,
+    need_t: bool = False,
+    zero_after: bool = False,
+    score_fn: Callable[[Any, Any, Any], Any] | None = None,
+) -> tuple[Any, Any]:
+    """The score pipeline, written once: ``(s, t)`` of one block of the portable paths
+    (the dense path's block is the whole matrix). ``s``: ``q @ k^T`` from operands whose
+    q carries :func:`q_factor`, then softcap, ``+ bias`` (the block's), ``score_mod``,
+    and ``-inf`` where ``allow`` (the block's mask; None: nothing masks) is False;
+    ``t = tanh(q k^T * scale / softcap)`` where ``need_t`` (None without softcap).
+    ``rows`` / ``cols``: the block's ``(start, length)``, for the ``score_mod``'s
+    indices. ``score_fn(s, rows, cols)`` applies the ``score_mod`` instead (the
+    blockwise backward's records its vector-Jacobian product). ``math``: the elementwise
+    steps (an adapter's in-place ones on the blockwise path).
+
+    ``zero_after``: leave the mask out; the caller zeroes the masked probabilities after
+    ``exp`` instead (where the scores are bounded): ``exp(-inf)`` takes about 5x the
+    time of ``exp`` of a finite number on torch's CPU kernels."""
     xp = call.xp
-    qb = ops.q if whole else ops.q[..., rows[0] : rows[1], :]
-    kb = ops.k if whole else ops.k[..., cols[0] : cols[1], :]
-    s = scores(qb, kb) if scores is not None else xp.matmul(qb, xp.matrix_transpose(kb))
+    if scores is not None:
+        s = scores(qb, kb)
+    else:
+        s = math.product(qb, xp.matrix_transpose(kb), slot="scores")
+    t = None
     if call.softcap is not None:
-        s = call.softcap * xp.tanh(s / call.softcap)
-    if ops.bias is not None:
-        s = s + (ops.bias if whole else block_of(ops.bias, rows, cols))
-    spans = ((rows[0], s.shape[-2]), (cols[0], s.shape[-1]))
-    if mods is not None and mods.score_mod is not None:
-        s = _mods.apply_score_mod(call, mods, s, *spans)
-    user = ops.mask if whole else block_of(ops.mask, rows, cols)
-    keep = allowed(call, user, rows=rows, cols=cols) if band else user
-    if mods is not None:
-        extra = _mods.block_mask(call, mods, *spans, tuple(s.shape))
-        if extra is not None:
-            keep = extra if keep is None else keep & extra
-    if keep is not None:
-        s = xp.where(keep, s, -xp.inf)
-    return s
+        if need_t:
+            t = math.tanh(s)
+            s = math.scaled_copy(t, call.softcap)
+        else:
+            s = math.scaled(math.tanh(s), call.softcap)
+    if bias is not None:
+        s = math.add(s, bias)
+    if score_fn is not None:
+        s = score_fn(s, rows, cols)
+    elif mods is not None and mods.score_mod is not None:
+        s = _mods.apply_score_mod(call, mods, s, rows, cols)
+    if allow is not None and not zero_after:
+        s = math.masked(s, allow)
+    return s, t
 
 
 def _empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -350,10 +375,17 @@ def dense(
     if call.k_shape[-2] == 0:
         return _empty_keys(call, q, k, v)
     xp = call.xp
-    ops = operands(call, q, k, v, mask, bias)
-    lq = q.shape[-2]
-    grid = ((0, lq), (0, call.k_shape[-2]))
-    s = _masked_scores(call, ops, *grid, whole=True, scores=scores, band=band, mods=mods)
+    ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
+    lq, lk = q.shape[-2], call.k_shape[-2]
+    keep = allowed(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
+    if mods is not None:
+        extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
+        if extra is not None:
+            keep = extra if keep is None else keep & extra
+    s, _ = block_scores(
+        call, ops.q, ops.k, (0, lq), (0, lk), bias=ops.bias, mods=mods, allow=keep,
+        math=BlockMath(xp), scores=scores,
+    )  # fmt: skip
     if guarded is None:
         guarded = rows_may_be_empty(call)
     e, denom, lse = _softmax_parts(xp, s, guarded=guarded)
