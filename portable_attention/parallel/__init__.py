@@ -17,6 +17,7 @@ array-API code shared by both.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -158,18 +159,13 @@ def ring_attend(
     _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
     _where(backend, axis_name, group, "ring_attend")
     module = _framework(backend, "ring_attend")
-    link = axis_name
     if backend == "torch":
         link = module.resolve_group(group, q)
-        _agree(module, link, q, k, v, given, layout)
-    options = _options.options(
-        causal=causal,
-        window=window,
-        scale=scale,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        return_lse=return_lse or sinks is not None,
-    )
+        options = _agree(module, link, q, k, v, given, layout)
+    else:
+        link, options = axis_name, _options.options(**_scalars(given))
+    if sinks is not None:  # the sinks merge after the ring, from its lse
+        options = dataclasses.replace(options, return_lse=True)
     call = _spec.validate_call(q, k, v, options, sinks=sinks)
     result = module.ring_attend(call, q, k, v, link, layout)
     if sinks is None:
@@ -294,18 +290,23 @@ def ulysses_attend(
 _GIVEN = ("mask", "bias", "rng", "sinks", "segment_ids", "score_mod", "mask_mod")
 
 
+def _scalars(options: dict[str, Any]) -> dict[str, Any]:
+    """attend's option keywords of ``options``, without its arrays and functions."""
+    return {name: value for name, value in options.items() if name not in _GIVEN}
+
+
 def _agree(
     module: Any, link: Any, q: Any, k: Any, v: Any, options: dict[str, Any], layout: str
-) -> None:
+) -> _options.Options:
     """torch.distributed: every rank of the group holds shards of one shape and dtype and
     passes the same options (normalised: ``causal=True`` and ``"lower_right"`` agree, as
     ``scale=None`` and ``1/sqrt(Dk)``), the same layout and the same arrays and functions
     present, checked in one exchange before anything else can raise on one rank alone:
-    options that do not validate enter it too, so every rank raises, none waits."""
-    scalars = {name: value for name, value in options.items() if name not in _GIVEN}
+    options that do not validate enter it too, so every rank raises, none waits.
+    Returns the normalised options (checked once, here)."""
     invalid: Exception | None = None
     try:
-        normalised = _options.options(**scalars)
+        normalised = _options.options(**_scalars(options))
     except (TypeError, ValueError) as err:
         normalised, invalid = _options.Options(), err
     agreed: dict[str, object] = dict(vars(normalised))
@@ -317,6 +318,7 @@ def _agree(
     module.check_agreement(link, {"q": q, "k": k, "v": v}, agreed)
     if invalid is not None:  # on every rank alike: the exchange compared it
         raise invalid
+    return normalised
 
 
 def _global_heads(mod: Any, first: Any, name: str) -> Any:
