@@ -259,7 +259,7 @@ def _runner(call: Call, path: str) -> Runnable:
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
-            return _pack(call, *fused.run(call, q, k, v, mask, bias, None, None))
+            return _returned(call, *fused.run(call, q, k, v, mask, bias, None, None))
 
         return Runnable(run_fused, fused.prepare(call) if not call.rng_given else None)
 
@@ -276,7 +276,7 @@ def _runner(call: Call, path: str) -> Runnable:
             sinks: Any = None,
         ) -> Any:
             keep = _keep_mask(call, rng)
-            return _pack(
+            return _returned(
                 call, *_with_sinks(call, sinks, *tuned.run(call, q, k, v, mask, bias, keep, mods))
             )
 
@@ -296,7 +296,7 @@ def _runner(call: Call, path: str) -> Runnable:
         ) -> Any:
             keep = _block_keep(call, rng)
             out, lse = backend.blockwise(call, q, k, v, mask, bias, keep, mods)
-            return _pack(call, *_with_sinks(call, sinks, out, None, lse))
+            return _returned(call, *_with_sinks(call, sinks, out, None, lse))
 
         return Runnable(run_blockwise, None)
 
@@ -307,7 +307,7 @@ def _runner(call: Call, path: str) -> Runnable:
     ) -> Any:
         keep = _keep_mask(call, rng)
         result = _core.dense(call, q, k, v, mask, bias, keep, scores=scores, mods=mods)
-        return _pack(call, *_with_sinks(call, sinks, *result))
+        return _returned(call, *_with_sinks(call, sinks, *result))
 
     return Runnable(run, None)
 
@@ -340,7 +340,7 @@ def _block_keep(call: Call, rng: Any) -> BlockKeep | None:
     return adapter(call.backend).block_keep(rng, call.dropout, call.xp, call.device)
 
 
-def _pack(call: Call, out: Any, weights: Any, lse: Any) -> Any:
+def _returned(call: Call, out: Any, weights: Any, lse: Any) -> Any:
     if call.return_weights and call.return_lse:
         return out, weights, lse
     if call.return_weights:

@@ -19,10 +19,10 @@ from portable_attention._core import Operands, operands
 from portable_attention._mods import Mods
 from portable_attention._spec import Call
 
-#: ``concrete(x) -> bool or None``: a 0-d boolean array as a Python bool where the
+#: ``host_bool(x) -> bool or None``: a 0-d boolean array as a Python bool where the
 #: framework runs eagerly (None while a compiler traces): blocks that segment ids or a
-#: ``mask_mod`` mask entirely are then skipped (``Adapter.concrete``).
-Concrete = Callable[[Any], "bool | None"]
+#: ``mask_mod`` mask entirely are then skipped (``Adapter.host_bool``).
+HostBool = Callable[[Any], "bool | None"]
 
 
 def block_size(call: Call, loop: BlockLoop | None = None) -> int:
@@ -116,7 +116,7 @@ class Pass:
         call, xp = self.call, self.call.xp
         if self.loop.static:
             r, c = (rows[0], rows[0] + rows[1]), (cols[0], cols[0] + cols[1])
-            return _core.structural_mask(call, device=call.device, rows=r, cols=c)
+            return _core.band_mask(call, device=call.device, rows=r, cols=c)
         i = rows[0] + xp.reshape(xp.arange(rows[1], device=call.device), (rows[1], 1))
         j = cols[0] + xp.reshape(xp.arange(cols[1], device=call.device), (1, cols[1]))
         band = None
@@ -213,14 +213,14 @@ def prepared(
     return Pass(call, loop, ops, mods, size)
 
 
-def masked_out(call: Call, allow: Any, concrete: Concrete | None, mods: Mods | None) -> bool:
+def masked_out(call: Call, allow: Any, host_bool: HostBool | None, mods: Mods | None) -> bool:
     """Whether a block's mask from segment ids or a ``mask_mod`` keeps nothing, where
     that can be read (eagerly: one host read per block; none without ids or a mask_mod)."""
-    if concrete is None or allow is None or mods is None:
+    if host_bool is None or allow is None or mods is None:
         return False
     if mods.q_ids is None and mods.mask_mod is None:
         return False
-    return concrete(call.xp.any(allow)) is False
+    return host_bool(call.xp.any(allow)) is False
 
 
 def block_number(qi: Any, ki: Any, n_key_blocks: int) -> Any:

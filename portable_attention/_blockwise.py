@@ -42,7 +42,7 @@ from typing import Any, NamedTuple, Protocol
 
 from portable_attention import _core
 from portable_attention._block_grid import (
-    Concrete,
+    HostBool,
     Span,
     block_number,
     masked_out,
@@ -112,7 +112,7 @@ def forward(
     *,
     scores: Scores | None = None,
     mods: Mods | None = None,
-    concrete: Concrete | None = None,
+    host_bool: HostBool | None = None,
     query_blocks: tuple[int, int] | None = None,
     math: BlockMath | None = None,
     loop: BlockLoop | None = None,
@@ -122,7 +122,7 @@ def forward(
 
     ``out [..., Hq, Lq, Dv]`` in the input dtype, ``lse [..., Hq, Lq]`` in the compute
     dtype, as :func:`_core.dense`. ``keep``: dropout's keep masks, one per block.
-    ``mods``: segment ids and score/mask mods; with ``concrete`` (eager frameworks),
+    ``mods``: segment ids and score/mask mods; with ``host_bool`` (eager frameworks),
     blocks that they mask entirely are skipped. ``query_blocks=(start, stop)``: only the
     rows of those query blocks (their ``out`` and ``lse``). ``math``: the blocks'
     elementwise steps (:func:`block_math`); ``loop``: how the blocks are walked
@@ -156,7 +156,7 @@ def forward(
             m, total, acc = state
             cols = run.cols(ki)
             allow = run.allow(rows, cols, (qi, ki))
-            if loop.static and masked_out(call, allow, concrete, mods):
+            if loop.static and masked_out(call, allow, host_bool, mods):
                 return state
             kb = loop.take(ops.k, *cols, -2)
             s, _ = _core.block_scores(
@@ -184,7 +184,7 @@ def forward(
 
         m, total, acc = loop.inner(step, init, keys_of, qi)
         shift = None if bounded else xp.where(xp.isfinite(m), m, 0.0)
-        total_safe, block_lse = _core.finish_rows(xp, total, shift)
+        total_safe, block_lse = _core.row_denominators(xp, total, shift)
         return carry, (acc / total_safe, block_lse[..., 0])
 
     first, stop = query_blocks if query_blocks is not None else (0, run.nq)
@@ -192,8 +192,8 @@ def forward(
     length = min(stop * run.size, call.q_shape[-2]) - first * run.size
     out, lse = trimmed(out, length, -2), trimmed(lse, length, -1)
     if query_blocks is not None:
-        return _core._finish(call, out, lse, length)
-    return _core._finish(call, out, lse)
+        return _core.ungrouped(call, out, lse, length)
+    return _core.ungrouped(call, out, lse)
 
 
 def bounded_scores(call: Call) -> bool:
@@ -270,7 +270,7 @@ def backward(
     want_dbias: bool = True,
     scores: Scores | None = None,
     mods: Mods | None = None,
-    concrete: Concrete | None = None,
+    host_bool: HostBool | None = None,
     sinks: Any = None,
     math: BlockMath | None = None,
     loop: BlockLoop | None = None,
@@ -292,7 +292,7 @@ def backward(
     assert not call.score_mod, "the array-API backward cannot differentiate a score_mod"
     return backward_and_consts(
         call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
-        scores=scores, mods=mods, concrete=concrete, sinks=sinks, math=math, loop=loop,
+        scores=scores, mods=mods, host_bool=host_bool, sinks=sinks, math=math, loop=loop,
     )[0]  # fmt: skip
 
 
@@ -312,7 +312,7 @@ def backward_and_consts(
     want_dbias: bool = True,
     scores: Scores | None = None,
     mods: Mods | None = None,
-    concrete: Concrete | None = None,
+    host_bool: HostBool | None = None,
     sinks: Any = None,
     math: BlockMath | None = None,
     loop: BlockLoop | None = None,
@@ -392,7 +392,7 @@ def backward_and_consts(
             dk_b, dv_b, dq, db_store, dconsts = state
             rows = run.rows(qi)
             allow = run.allow(rows, cols, (qi, ki))
-            if loop.static and masked_out(call, allow, concrete, run.mods):
+            if loop.static and masked_out(call, allow, host_bool, run.mods):
                 return state
             qb = loop.take(ops.q, *rows, -2)
             dob = loop.take(do, *rows, -2)

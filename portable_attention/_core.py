@@ -172,7 +172,7 @@ def full_columns(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tu
     return start, max(start, stop)
 
 
-def structural_mask(
+def band_mask(
     call: Call,
     *,
     device: Any = None,
@@ -199,7 +199,7 @@ def structural_mask(
     )
 
 
-def kernel_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
+def fused_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """``(allowed, is_causal)`` for fused kernels whose causal flag is upper-left (SDPA,
     jax.nn): the boolean mask of ``mask``, ``causal`` and ``window`` together, or
     ``(None, True)`` where the kernel's own flag is exact and alone: causal with no mask,
@@ -209,20 +209,20 @@ def kernel_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     alone = call.causal is not None and call.window is None and mask is None and bias is None
     if alone and exact:
         return None, True
-    return allowed(call, mask), False
+    return allow_mask(call, mask), False
 
 
-def kernel_operand(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
+def fused_operand(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """``(attn_mask, is_causal)`` for kernels that take one mask operand, boolean or
-    additive (torch SDPA): :func:`kernel_mask`, with ``bias`` where given (``-inf`` where
+    additive (torch SDPA): :func:`fused_mask`, with ``bias`` where given (``-inf`` where
     the boolean mask drops a score)."""
-    keep, is_causal = kernel_mask(call, mask, bias)
+    keep, is_causal = fused_mask(call, mask, bias)
     if bias is None or keep is None:
         return (keep if bias is None else bias), is_causal
     return call.xp.where(keep, bias, -call.xp.inf), False
 
 
-def allowed(
+def allow_mask(
     call: Call,
     mask: Any,
     *,
@@ -231,7 +231,7 @@ def allowed(
 ) -> Any:
     """The user's ``mask`` (already cut to the block) and the band of ``causal`` and
     ``window`` on ``rows x cols`` together: True = may attend; None where nothing masks."""
-    band = structural_mask(call, device=call.device, rows=rows, cols=cols)
+    band = band_mask(call, device=call.device, rows=rows, cols=cols)
     if mask is None:
         return band
     return mask if band is None else (mask & band)
@@ -332,11 +332,11 @@ def _empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     out = xp.matmul(xp.matmul(ops.q, xp.matrix_transpose(ops.k)), ops.v)
     weights = xp.zeros((*lead_q, call.k_shape[-2]), dtype=call.dtype, device=dev)
     lse = xp.full(lead_q, -xp.inf, dtype=call.compute_dtype, device=dev)
-    out, lse = _finish(call, out, lse)
+    out, lse = ungrouped(call, out, lse)
     return out, weights, lse
 
 
-def _finish(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[Any, Any]:
+def ungrouped(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[Any, Any]:
     """Grouped ``[..., Hk, G, Lq, Dv]`` results back to the caller's shapes and dtype
     (``lq``: the rows computed, where they are a block of the call's queries)."""
     xp = call.xp
@@ -377,7 +377,7 @@ def dense(
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
-    keep = allowed(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
+    keep = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
     if mods is not None:
         extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
         if extra is not None:
@@ -392,7 +392,7 @@ def dense(
     p = e
     if keep_mask is not None:
         p = inverted_dropout(xp, p, keep_mask, call.dropout)
-    out, lse = _finish(call, xp.matmul(p, ops.v) / denom, lse, lq)
+    out, lse = ungrouped(call, xp.matmul(p, ops.v) / denom, lse, lq)
     weights = None
     if call.return_weights:
         weights = xp.astype(
@@ -445,11 +445,11 @@ def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
         return e, denom, (xp.log(denom) + m)[..., 0]
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
     e = xp.exp(s - m_safe)
-    denom_safe, lse = finish_rows(xp, xp.sum(e, axis=-1, keepdims=True), m_safe)
+    denom_safe, lse = row_denominators(xp, xp.sum(e, axis=-1, keepdims=True), m_safe)
     return e, denom_safe, lse[..., 0]
 
 
-def finish_rows(xp: Any, total: Any, shift: Any) -> tuple[Any, Any]:
+def row_denominators(xp: Any, total: Any, shift: Any) -> tuple[Any, Any]:
     """``(denominator, lse)`` of rows from their sums ``total`` of ``exp(s - shift)``
     (``shift`` an array, a number, or None for 0), as every kernel finishes them: a row
     with no key (sum 0) gets denominator 1, so its weights and output are 0, and lse
@@ -468,14 +468,14 @@ def merge_lse(xp: Any, lse_a: Any, lse_b: Any) -> tuple[Any, Any, Any]:
     ring's shards, the keys and a sink): ``(lse, w_a, w_b)`` with ``lse = log(exp(lse_a) +
     exp(lse_b))`` and ``w_x = exp(lse_x - lse)``, the factor of each part's output in the
     union's (``out = w_a * out_a + w_b * out_b``). Computed around the larger lse and
-    finished by :func:`finish_rows`: a row with no key in either (both ``-inf``) gets
+    finished by :func:`row_denominators`: a row with no key in either (both ``-inf``) gets
     ``lse = -inf`` and factors 0, NaN rows keep NaN, and no exponent sees ``-inf - -inf``
     (each subtracts a finite shift, so an empty part's exponent is 0), so no gradient
     through it is NaN. In the operands' dtype."""
     m = xp.maximum(lse_a, lse_b)
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
     e_a, e_b = xp.exp(lse_a - m_safe), xp.exp(lse_b - m_safe)
-    total_safe, lse = finish_rows(xp, e_a + e_b, m_safe)
+    total_safe, lse = row_denominators(xp, e_a + e_b, m_safe)
     return lse, e_a / total_safe, e_b / total_safe
 
 

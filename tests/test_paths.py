@@ -681,7 +681,7 @@ def test_band_that_keeps_every_score_builds_no_mask(causal: Any, window: Any) ->
         call = validate_call(q, k, k, options(causal=causal, window=window))
         keeps_all = bool(oracle.allowed_positions(lq, lk, causal=causal, window=window).all())
         assert _core.band_keeps_all(call) == keeps_all, (lq, lk)
-        assert (_core.structural_mask(call) is None) == keeps_all, (lq, lk)
+        assert (_core.band_mask(call) is None) == keeps_all, (lq, lk)
 
 
 @requires_backend("torch")
@@ -691,7 +691,7 @@ def test_torch_decode_step_with_causal_runs_sdpa_without_a_mask() -> None:
     backend = BY_NAME["torch"]
     q, k, v = _qkv(backend, (1, 8, 1, 16), (1, 8, 40, 16), "float32")
     call = validate_call(q, k, v, options(causal=True))
-    assert _core.kernel_mask(call, None, None) == (None, False)
+    assert _core.fused_mask(call, None, None) == (None, False)
     ref_out, _, _ = oracle.attention(*(backend.to_numpy(x) for x in (q, k, v)), causal=True)
     assert_close(backend.to_numpy(attend(q, k, v, causal=True)), ref_out, "float32")
 

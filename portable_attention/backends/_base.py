@@ -155,7 +155,7 @@ class Adapter(ABC):
             keep,
             scores=self.scores(call.xp),
             mods=mods,
-            concrete=self.concrete,
+            host_bool=self.host_bool,
             math=self.block_math(call.xp, (q, k, v, mask, bias)),
             loop=self.block_loop(call),
         )
@@ -193,7 +193,7 @@ class Adapter(ABC):
             dlse=dlse,
             scores=self.scores(call.xp),
             mods=mods,
-            concrete=self.concrete,
+            host_bool=self.host_bool,
             sinks=sinks,
             math=self.block_math(call.xp, (dout, q, k, v, out, lse, bias, dlse, sinks)),
             loop=self.block_loop(call),
@@ -210,7 +210,7 @@ class Adapter(ABC):
         static offsets."""
         return BlockLoop(call.xp, call.device)
 
-    def concrete(self, x: Any) -> bool | None:
+    def host_bool(self, x: Any) -> bool | None:
         """A 0-d boolean array as a Python bool (a host read), or None where it cannot be
         read now (a compiler traces): the blockwise path then skips the blocks that
         segment ids or a ``mask_mod`` mask entirely."""

@@ -79,7 +79,7 @@ def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -
 
     from portable_attention.backends import torch as torch_adapter
 
-    attn_mask, is_causal = _core.kernel_operand(call, mask, bias)
+    attn_mask, is_causal = _core.fused_operand(call, mask, bias)
     tq, tk, tv = (_to_torch(x) for x in (q, k, v))
     tmask = None if attn_mask is None else _to_torch(attn_mask)
     with torch.cuda.device(tq.device):

@@ -105,7 +105,7 @@ class DaskAdapter(GenericAdapter):
     name = "dask"
     tuned = PerChunk()
 
-    def concrete(self, x: Any) -> bool | None:
+    def host_bool(self, x: Any) -> bool | None:
         return None  # bool(x) would compute the graph
 
     def traced(self, x: Any) -> bool:

@@ -211,7 +211,7 @@ def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -
     if window is not None:
         allowed, is_causal = None, call.causal is not None
     else:
-        allowed, is_causal = _core.kernel_mask(call, mask, bias)
+        allowed, is_causal = _core.fused_mask(call, mask, bias)
     allowed4 = None if allowed is None else _scores_operand(allowed, lead, batch)
     bias4 = None if bias is None else _scores_operand(bias, lead, batch)
     if bias4 is not None:
@@ -284,7 +284,7 @@ def _blocked(
     """:func:`run_native`'s computation."""
     lq, rows = call.q_shape[-2], _BLOCK_ROWS
     # causal/window become one mask up front: a block's offset is traced inside the map.
-    allowed = _core.allowed(call, mask)
+    allowed = _core.allow_mask(call, mask)
     blocks = lq // rows
 
     def dense_rows(qb: Any, start: Any, n: int, guarded: bool | None) -> tuple[Any, Any, Any]:

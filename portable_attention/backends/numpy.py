@@ -265,7 +265,7 @@ def _block(
     if ops.mask is None and mods is None:
         row_max = _mask_band(call, s, rows, cols) or row_max
     else:
-        allowed = _core.allowed(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+        allowed = _core.allow_mask(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
         if mods is not None:
             spans = ((rows[0], rows[1] - rows[0]), (cols[0], lk))
             segments = _mods.block_mask(call, mods, *spans, tuple(s.shape))
@@ -299,7 +299,7 @@ def _block(
     block_lse = None
     if lse is not None or guarded:  # (else every row has a key: the sums divide as they are)
         shift = None if m is None else (m * _LN2 if base2 else m)
-        total, block_lse = _core.finish_rows(np, total, shift)  # [..., rows, 1]: small
+        total, block_lse = _core.row_denominators(np, total, shift)  # [..., rows, 1]: small
     if weights is not None:
         if narrow:
             weights[..., r, : cols[0]] = 0
@@ -327,7 +327,7 @@ def _mask_band(call: _spec.Call, s: Any, rows: tuple[int, int], cols: tuple[int,
     for edge in edges:
         if edge[0] >= edge[1]:
             continue
-        keep = _core.allowed(call, None, rows=rows, cols=edge)
+        keep = _core.allow_mask(call, None, rows=rows, cols=edge)
         if keep is None:
             continue
         part = s[..., edge[0] - cols[0] : edge[1] - cols[0]]

@@ -353,7 +353,7 @@ class BlockwiseFunction(torch.autograd.Function):
                 bias,
                 keep,
                 mods=mods,
-                concrete=_concrete,
+                host_bool=_host_bool,
                 math=InPlaceMath(call.xp),  # autograd.Function.forward records nothing
             )
         return out, lse
@@ -392,7 +392,7 @@ class BlockwiseFunction(torch.autograd.Function):
             dlse=dlse,
             want_dbias=want_dbias,
             mods=mods,
-            concrete=_concrete,
+            host_bool=_host_bool,
             # In place unless autograd records the backward (create_graph=True). Not the
             # adapter's rule: dynamo cannot trace its functorch query.
             math=BlockMath(call.xp) if torch.is_grad_enabled() else InPlaceMath(call.xp),
@@ -400,7 +400,7 @@ class BlockwiseFunction(torch.autograd.Function):
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, None
 
 
-def _concrete(x: Any) -> bool | None:
+def _host_bool(x: Any) -> bool | None:
     """A 0-d bool tensor as a Python bool; None while torch.compile traces."""
     return None if torch.compiler.is_compiling() else bool(x)
 
@@ -423,7 +423,7 @@ def _checkpointed(
 
         def rows(q: Any, k: Any, v: Any, mask: Any, bias: Any, qi: int = qi) -> Any:
             return _blockwise.forward(
-                call, q, k, v, mask, bias, keep, mods=mods, concrete=_concrete,
+                call, q, k, v, mask, bias, keep, mods=mods, host_bool=_host_bool,
                 query_blocks=(qi, qi + 1),
             )  # fmt: skip
 
@@ -463,7 +463,7 @@ def fused_reason(call: _spec.Call) -> str | None:
 
 
 def sdpa(call: _spec.Call, q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) -> Any:
-    """``out`` from SDPA with the operand of ``_core.kernel_operand`` (converted to torch
+    """``out`` from SDPA with the operand of ``_core.fused_operand`` (converted to torch
     by the caller); rows with no key give 0 (SDPA's safe softmax on CPU, forced elsewhere).
     Reads only ``scale``, ``dropout`` and ``grouped`` of ``call``: CuPy arrays come here
     through DLPack."""
@@ -491,7 +491,7 @@ def _prepare(call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
     mask, bias or window; causal only where SDPA's own flag is exact); else None."""
     if call.mask_shape is not None or call.bias_shape is not None:
         return None
-    allowed, is_causal = _core.kernel_mask(call, None, None)
+    allowed, is_causal = _core.fused_mask(call, None, None)
     if allowed is not None:
         return None
     # Only what differs from SDPA's defaults: each keyword costs torch's parser time.
@@ -528,7 +528,7 @@ class ScaledDotProductAttention(Kernel):
         keep: Any,
         mods: Any = None,
     ) -> tuple[Any, Any, Any]:
-        return sdpa(call, q, k, v, *_core.kernel_operand(call, mask, bias)), None, None
+        return sdpa(call, q, k, v, *_core.fused_operand(call, mask, bias)), None, None
 
     def prepare(self, call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
         return _prepare(call)
@@ -579,8 +579,8 @@ class TorchAdapter(Adapter):
             return BlockMath(xp)
         return InPlaceMath(xp)
 
-    def concrete(self, x: Any) -> bool | None:
-        return _concrete(x)
+    def host_bool(self, x: Any) -> bool | None:
+        return _host_bool(x)
 
     def to_host(self, x: Any) -> Any:
         return x.detach().cpu().numpy()
