@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+_INT32_MAX = 2**31 - 1
+
 
 def sides(
     causal: str | None, window: tuple[int | None, int | None] | None
@@ -48,7 +50,10 @@ def keep_at(
     a kernel's may start at a traced offset) on the ``[Lq, Lk]`` grid; None where both
     sides are unbounded."""
     # No distance on the grid exceeds lq + lk: larger sides mean unbounded, and clamping
-    # keeps them from overflowing (or wrapping in) the framework's integer dtype.
-    left = None if left is None else min(left, lq + lk)
-    right = None if right is None else min(right, lq + lk)
+    # keeps them from overflowing (or wrapping in) the framework's integer dtype. Symbolic
+    # lengths (an export with dynamic shapes) cannot be compared: the bound is then
+    # int32's largest, past any length an index array holds.
+    bound = lq + lk if type(lq) is int and type(lk) is int else _INT32_MAX
+    left = None if left is None else min(left, bound)
+    right = None if right is None else min(right, bound)
     return within(j - (i + offset(lq, lk, align)), left, right)

@@ -133,6 +133,8 @@ def band_keeps_all(call: Call) -> bool:
     """
     if not call.global_band:  # (q_ids, kv_ids) pairs align causal/window per segment
         return True
+    if call.symbolic:  # only neither option keeps every score for every length
+        return call.causal is None and call.window is None
     left, right = window_sides(call)
     nearest, farthest = _distances(call, (0, call.q_shape[-2]), (0, call.k_shape[-2]))
     return (left is None or nearest >= -left) and (right is None or farthest <= right)
@@ -199,13 +201,22 @@ def band_mask(
     )
 
 
+def same_length(a: Any, b: Any) -> bool:
+    """``a == b`` decided without a compiler's guard: equal ints, or one symbolic length
+    (the same expression of an export's dynamic dimensions); two different symbols are
+    not known to be equal."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    return type(a) is type(b) and str(a) == str(b)
+
+
 def fused_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """``(allowed, is_causal)`` for fused kernels whose causal flag is upper-left (SDPA,
     jax.nn): the boolean mask of ``mask``, ``causal`` and ``window`` together, or
     ``(None, True)`` where the kernel's own flag is exact and alone: causal with no mask,
     bias or window, and ``Lq == Lk`` or upper-left alignment (no row is then empty).
     """
-    exact = call.q_shape[-2] == call.k_shape[-2] or call.align == "upper_left"
+    exact = call.align == "upper_left" or same_length(call.q_shape[-2], call.k_shape[-2])
     alone = call.causal is not None and call.window is None and mask is None and bias is None
     if alone and exact:
         return None, True
@@ -247,7 +258,10 @@ def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) ->
 
 
 def _block_is_full(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
-    """Whether ``causal``/``window`` keep every score of the block (a static decision)."""
+    """Whether ``causal``/``window`` keep every score of the block (a static decision;
+    never for symbolic lengths, where the mask is built for every value)."""
+    if call.symbolic:
+        return False
     left, right = window_sides(call)
     nearest, farthest = _distances(call, rows, cols)
     return (left is None or nearest >= -left) and (right is None or farthest <= right)

@@ -53,8 +53,12 @@ _qkv_keys: dict[type, Callable[[Any, Any, Any], tuple[Any, ...] | None]] = {}
 
 
 def register(call: _spec.Call, *arrays: Any) -> None:
-    """Learn the key getters of the (validated) arrays' types."""
+    """Learn the key getters of the (validated) arrays' types. Not while a compiler
+    traces: the arrays may be its own (torch.export's fake tensors), whose shapes may be
+    symbolic and cannot enter a key; such calls are validated and planned each time."""
     framework = adapter(call.backend)
+    if framework.tracing():
+        return
     one, qkv = framework.memo_keys() or (
         _generic_key(framework.device),
         _generic_qkv_key(framework.device),

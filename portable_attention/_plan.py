@@ -20,6 +20,14 @@ DENSE = "portable:dense"
 BLOCKWISE = "portable:blockwise"
 
 
+#: Why a call of symbolic lengths takes the dense path (whatever its size).
+_SYMBOLIC = (
+    "the lengths are symbolic (an export with dynamic shapes), so no choice may depend on "
+    "their values: the dense path serves every length, where the blockwise loops and the "
+    "tuned kernels would fix them"
+)
+
+
 @dataclass(frozen=True)
 class Plan:
     """The path ``attend`` takes for a call, and why.
@@ -57,6 +65,8 @@ class Plan:
 def _portable(call: Call, why: str) -> Plan:
     if call.return_weights:
         return Plan(DENSE, f"{why}; return_weights needs the whole score matrix")
+    if call.symbolic:
+        return Plan(DENSE, f"{why}; {_SYMBOLIC}")
     plan = call.blocks
     if plan is not None and plan.density < 1:
         return Plan(
@@ -86,9 +96,11 @@ def _portable(call: Call, why: str) -> Plan:
 def _decide(call: Call) -> Plan:
     implementation = call.implementation
     if call.chunk_size is not None:  # before any kernel: every backend would decline
+        if call.symbolic:
+            raise symbolic_chunks_error(call)
         return Plan(
             BLOCKWISE,
-            f"chunk_size={call.chunk_size} asks for the portable chunked path (blocks of "
+            f"chunk_size={call.chunk_size} asks for the blockwise path (blocks of "
             "that size forward and in the blockwise backward)",
         )
     if implementation == "portable":
@@ -102,7 +114,7 @@ def _decide(call: Call) -> Plan:
         return Plan(fused.path, fused.why)
     assert why is not None
     tuned = backend.tuned
-    if implementation == "auto" and tuned is not None:
+    if implementation == "auto" and tuned is not None and not call.symbolic:
         declined = tuned.reason(call)
         if declined is None:
             return Plan(tuned.path, f"{why}; {tuned.why}")
@@ -121,3 +133,13 @@ def choose(call: Call) -> Plan:
     if call.implementation == "fused" and not plan.path.startswith("fused"):
         raise fused_unavailable_error(plan.reason)
     return plan
+
+
+def symbolic_chunks_error(call: Call) -> ValueError:
+    msg = (
+        f"`chunk_size={call.chunk_size}` walks blocks of static lengths, but this call's "
+        f"shapes are symbolic (q {tuple(call.q_shape)}, k {tuple(call.k_shape)}: an export "
+        "with dynamic shapes); leave chunk_size out (the dense path serves every length) "
+        "or export with static lengths."
+    )
+    return ValueError(msg)

@@ -125,6 +125,13 @@ class Call:
         return self.segments is not None or self.score_mod or self.mask_mod
 
     @property
+    def symbolic(self) -> bool:
+        """Whether a dimension of q, k or v is symbolic (``torch.export`` with dynamic
+        shapes, ``jax.export`` with ``symbolic_shape``): decisions that compare lengths
+        are then taken so that they hold for every value of it."""
+        return not all(type(d) is int for d in (*self.q_shape, *self.k_shape, *self.v_shape))
+
+    @property
     def grouped(self) -> bool:
         """Grouped-query (or multi-query) heads: ``Hq != Hk``."""
         return len(self.q_shape) > 2 and self.q_shape[-3] != self.k_shape[-3]

@@ -1,0 +1,138 @@
+"""Exports with dynamic shapes: ``torch.export`` with ``Dim``s and ``jax.export`` with
+``symbolic_shape``. The exported program is right for every value of its dimensions
+(checked at lengths other than the example's, ``Lq != Lk`` and rows with no key included,
+against the independent float64 oracle); ``plan()`` says why it took the path it took;
+``chunk_size`` with a symbolic length is refused with a message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import attend, plan
+
+import oracle
+from conftest import requires_backend
+from helpers import randn, rng_for
+
+TOL = 1e-12
+#: (options, the path an export with dynamic lengths takes on torch)
+OPTIONS: list[tuple[dict[str, Any], str]] = [
+    ({}, "fused:torch"),
+    ({"causal": True}, "fused:torch"),
+    ({"causal": "upper_left", "window": (4, 2)}, "fused:torch"),
+    ({"causal": True, "softcap": 20.0}, "portable:dense"),
+    ({"window": (8, 0), "scale": 0.3}, "fused:torch"),
+]
+#: (Lq, Lk) of the calls of the exported program: none is the example's (3, 40).
+LENGTHS = [(1, 100), (7, 300), (300, 7), (50, 50)]
+
+
+def _inputs(lq: int, lk: int, batch: int = 2) -> tuple[np.ndarray, ...]:
+    rng = rng_for("export", lq, lk, batch)
+    return (
+        randn(rng, (batch, 4, lq, 16)),
+        randn(rng, (batch, 2, lk, 16)),
+        randn(rng, (batch, 2, lk, 16)),
+    )
+
+
+def _oracle(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict[str, Any]) -> np.ndarray:
+    return oracle.attention(q, k, v, **options)[0]
+
+
+@requires_backend("torch")
+@pytest.mark.parametrize(("options", "path"), OPTIONS, ids=lambda x: repr(x))
+def test_torch_export_with_dynamic_lengths(options: dict[str, Any], path: str) -> None:
+    import torch
+
+    plans = []
+
+    class Module(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            plans.append(plan(q, k, v, **options))
+            return attend(q, k, v, **options)
+
+    batch, lq = torch.export.Dim("B", max=64), torch.export.Dim("Lq", max=8192)
+    lk = torch.export.Dim("Lk", min=2, max=8192)
+    dims = {"q": {0: batch, 2: lq}, "k": {0: batch, 2: lk}, "v": {0: batch, 2: lk}}
+    example = [torch.from_numpy(x) for x in _inputs(3, 40)]
+    program = torch.export.export(Module(), tuple(example), dynamic_shapes=dims)
+    assert plans[-1].path == path, plans[-1]
+    if path == "portable:dense":
+        assert "symbolic" in plans[-1].reason, plans[-1].reason
+    run = program.module()
+    for n_q, n_k in LENGTHS:
+        arrays = _inputs(n_q, n_k, batch=3)
+        got = run(*(torch.from_numpy(x) for x in arrays)).numpy()
+        np.testing.assert_allclose(got, _oracle(*arrays, options), rtol=TOL, atol=TOL)
+
+
+@requires_backend("torch")
+def test_torch_export_refuses_chunks_of_a_dynamic_length() -> None:
+    import torch
+
+    class Module(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            return attend(q, k, v, causal=True, chunk_size=16)
+
+    length = torch.export.Dim("L", min=2, max=4096)
+    dims = {name: {2: length} for name in "qkv"}
+    q = torch.randn(1, 2, 64, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"`chunk_size=16` walks blocks of static lengths"):
+        torch.export.export(Module(), (q, q, q), dynamic_shapes=dims)
+    # Static lengths export with chunks as before.
+    program = torch.export.export(Module(), (q, q, q))
+    want = oracle.attention(q.numpy(), q.numpy(), q.numpy(), causal=True)[0]
+    np.testing.assert_allclose(program.module()(q, q, q).numpy(), want, rtol=TOL, atol=TOL)
+
+
+@requires_backend("jax")
+@pytest.mark.parametrize("options", [o for o, _ in OPTIONS], ids=repr)
+def test_jax_export_with_symbolic_shapes(options: dict[str, Any]) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    plans = []
+
+    def f(q: Any, k: Any, v: Any) -> Any:
+        plans.append(plan(q, k, v, **options))
+        return attend(q, k, v, **options)
+
+    b, lq, lk = export.symbolic_shape("B, Lq, Lk")  # one scope for the three
+    q_spec = jax.ShapeDtypeStruct((b, 4, lq, 16), jnp.float64)
+    k_spec = jax.ShapeDtypeStruct((b, 2, lk, 16), jnp.float64)
+    program = export.export(jax.jit(f))(q_spec, k_spec, k_spec)
+    assert plans[-1].path == "portable:dense", plans[-1]  # jax.nn is not auto's on the CPU
+    assert "symbolic" in plans[-1].reason, plans[-1].reason
+    for n_q, n_k in LENGTHS:
+        arrays = _inputs(n_q, n_k, batch=3)
+        got = np.asarray(program.call(*(jnp.asarray(x) for x in arrays)))
+        np.testing.assert_allclose(got, _oracle(*arrays, options), rtol=TOL, atol=TOL)
+
+
+@requires_backend("jax")
+def test_jax_export_gradient_with_symbolic_shapes() -> None:
+    """The exported gradient of a loss through ``attend`` (the dense path's autodiff)
+    equals the oracle's finite differences at a length the export never saw."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    options = {"causal": True, "softcap": 5.0}
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        return jnp.sum(attend(q, k, v, **options) ** 2)
+
+    spec = jax.ShapeDtypeStruct(export.symbolic_shape("1, 2, L, 8"), jnp.float64)
+    program = export.export(jax.jit(jax.grad(loss)))(spec, spec, spec)
+    rng = rng_for("export", "grad")
+    q, k, v = (randn(rng, (1, 2, 9, 8)) for _ in range(3))
+    got = np.asarray(program.call(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+
+    def f() -> float:
+        return float(np.sum(oracle.attention(q, k, v, **options)[0] ** 2))
+
+    np.testing.assert_allclose(got, oracle.numerical_grad(f, q), rtol=1e-6, atol=1e-6)
