@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from typing import Any
 
 import array_api_compat
-import numpy as np
 
 
 def type_name(x: object) -> str:
@@ -42,13 +42,27 @@ def is_kind(xp: Any, dtype: Any, kind: str) -> bool | None:
         return None
 
 
-def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    """NumPy's broadcast of two shapes (``numpy.broadcast_shapes``), or None where they
-    do not broadcast."""
-    try:
-        return tuple(np.broadcast_shapes(a, b))
-    except ValueError:  # "shape mismatch": the shapes do not broadcast
-        return None
+def same_length(a: Any, b: Any) -> bool:
+    """``a == b`` decided without a compiler's guard: equal ints, or one symbolic length
+    (the same expression of an export's dynamic dimensions); two different symbols are
+    not known to be equal."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    return type(a) is type(b) and str(a) == str(b)
+
+
+def broadcast_shape(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The broadcast of two shapes (NumPy's rule), or None where they do not broadcast.
+    Symbolic dimensions (an export's) broadcast with 1 and with themselves."""
+    out = []
+    for x, y in itertools.zip_longest(reversed(a), reversed(b), fillvalue=1):
+        if type(x) is int and x == 1:
+            out.append(y)
+        elif (type(y) is int and y == 1) or same_length(x, y):
+            out.append(x)
+        else:
+            return None
+    return tuple(reversed(out))
 
 
 def broadcasts(small: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from portable_attention import _mods
+from portable_attention import _checks, _mods
 from portable_attention import masks as _masks
 from portable_attention._block_math import BlockMath
 from portable_attention._mods import Mods
@@ -201,22 +201,13 @@ def band_mask(
     )
 
 
-def same_length(a: Any, b: Any) -> bool:
-    """``a == b`` decided without a compiler's guard: equal ints, or one symbolic length
-    (the same expression of an export's dynamic dimensions); two different symbols are
-    not known to be equal."""
-    if type(a) is int and type(b) is int:
-        return a == b
-    return type(a) is type(b) and str(a) == str(b)
-
-
 def fused_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """``(allowed, is_causal)`` for fused kernels whose causal flag is upper-left (SDPA,
     jax.nn): the boolean mask of ``mask``, ``causal`` and ``window`` together, or
     ``(None, True)`` where the kernel's own flag is exact and alone: causal with no mask,
     bias or window, and ``Lq == Lk`` or upper-left alignment (no row is then empty).
     """
-    exact = call.align == "upper_left" or same_length(call.q_shape[-2], call.k_shape[-2])
+    exact = call.align == "upper_left" or _checks.same_length(call.q_shape[-2], call.k_shape[-2])
     alone = call.causal is not None and call.window is None and mask is None and bias is None
     if alone and exact:
         return None, True

@@ -136,3 +136,82 @@ def test_jax_export_gradient_with_symbolic_shapes() -> None:
         return float(np.sum(oracle.attention(q, k, v, **options)[0] ** 2))
 
     np.testing.assert_allclose(got, oracle.numerical_grad(f, q), rtol=1e-6, atol=1e-6)
+
+
+def _packed_ids(batch: int, length: int, cuts: tuple[int, ...]) -> np.ndarray:
+    ids = np.zeros((batch, length), dtype=np.int64)
+    for cut in cuts:
+        ids[:, cut:] += 1
+    return ids
+
+
+@requires_backend("torch")
+def test_torch_export_segment_ids_and_the_module_with_dynamic_lengths() -> None:
+    """Packed documents (segment ids of the traced length) and the torch module, exported
+    with a dynamic length, at lengths and packings the example did not have."""
+    import torch
+    from portable_attention.nn.torch import MultiHeadAttention
+
+    class Packed(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any, ids: Any) -> Any:
+            return attend(q, k, v, causal=True, segment_ids=ids)
+
+    length = torch.export.Dim("L", min=2, max=4096)
+    dims = {"q": {2: length}, "k": {2: length}, "v": {2: length}, "ids": {1: length}}
+    q, k, v = (torch.from_numpy(x) for x in _inputs(40, 40))
+    ids = torch.from_numpy(_packed_ids(2, 40, (30,)))
+    run = torch.export.export(Packed(), (q, k, v, ids), dynamic_shapes=dims).module()
+    arrays = _inputs(100, 100)
+    packed = _packed_ids(2, 100, (17, 60, 61))
+    got = run(*(torch.from_numpy(x) for x in (*arrays, packed))).numpy()
+    want = oracle.attention(*arrays, causal=True, segment_ids=packed)[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=torch.float64)
+    x = torch.randn(2, 50, 32, dtype=torch.float64)
+    batch = torch.export.Dim("B", max=64)
+    program = torch.export.export(module, (x,), dynamic_shapes=({0: batch, 1: length},))
+    x2 = torch.randn(3, 77, 32, dtype=torch.float64)
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            program.module()(x2).numpy(), module(x2).numpy(), rtol=TOL, atol=TOL
+        )
+
+
+@requires_backend("jax")
+def test_jax_export_segment_ids_and_the_module_with_symbolic_shapes() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax import export
+    from portable_attention.nn.flax import MultiHeadAttention
+
+    b, length = export.symbolic_shape("B, L")
+    spec = jax.ShapeDtypeStruct((b, 2, length, 16), jnp.float64)
+    ids_spec = jax.ShapeDtypeStruct((b, length), jnp.int64)
+
+    def packed(q: Any, k: Any, v: Any, ids: Any) -> Any:
+        return attend(q, k, v, causal=True, segment_ids=ids)
+
+    program = export.export(jax.jit(packed))(spec, spec, spec, ids_spec)
+    rng = rng_for("export", "jax-packed")
+    arrays = [randn(rng, (3, 2, 90, 16)) for _ in range(3)]
+    ids = _packed_ids(3, 90, (5, 44, 45))
+    got = np.asarray(program.call(*(jnp.asarray(x) for x in (*arrays, ids))))
+    want = oracle.attention(*arrays, causal=True, segment_ids=ids)[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+    module = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=jnp.float64, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(module)
+
+    def forward(state: Any, x: Any) -> Any:
+        return nnx.merge(graph, state)(x, causal=True)
+
+    x_spec = jax.ShapeDtypeStruct((b, length, 32), jnp.float64)
+    state_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    program = export.export(jax.jit(forward))(state_spec, x_spec)
+    x = jnp.asarray(randn(rng, (2, 61, 32)))
+    np.testing.assert_allclose(
+        np.asarray(program.call(state, x)), np.asarray(module(x, causal=True)), rtol=TOL, atol=TOL
+    )
