@@ -215,3 +215,47 @@ def test_jax_export_segment_ids_and_the_module_with_symbolic_shapes() -> None:
     np.testing.assert_allclose(
         np.asarray(program.call(state, x)), np.asarray(module(x, causal=True)), rtol=TOL, atol=TOL
     )
+
+
+@requires_backend("torch")
+def test_torch_onnx_export_with_a_dynamic_length_runs_in_onnxruntime() -> None:
+    """``torch.onnx.export(dynamo=True)`` of ``attend`` (softcap: the portable dense path;
+    a window: SDPA with the band as a mask) and of the torch module, with a dynamic
+    length, run by onnxruntime at lengths other than the example's."""
+    import torch
+    from portable_attention.nn.torch import MultiHeadAttention
+    from portable_attention.testing import tolerance
+
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is a test dependency")
+    pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+    rtol, atol = tolerance("float32")
+
+    def session(module: Any, args: tuple[Any, ...], dims: Any) -> Any:
+        program = torch.onnx.export(module, args, dynamic_shapes=dims, dynamo=True)
+        return ort.InferenceSession(program.model_proto.SerializeToString())
+
+    length = torch.export.Dim("L", min=2, max=4096)
+    for options in ({"causal": True, "softcap": 20.0}, {"window": (8, 0)}):
+
+        class Attend(torch.nn.Module):
+            def forward(self, q: Any, k: Any, v: Any, options: Any = options) -> Any:
+                return attend(q, k, v, **options)
+
+        example = tuple(torch.from_numpy(x.astype(np.float32)) for x in _inputs(40, 40))
+        dims = {name: {2: length} for name in "qkv"}
+        run = session(Attend(), example, dims)
+        names = [i.name for i in run.get_inputs()]
+        for n in (9, 300):
+            arrays = [x.astype(np.float32) for x in _inputs(n, n)]
+            got = run.run(None, dict(zip(names, arrays, strict=True)))[0]
+            want = oracle.attention(*arrays, **options)[0]
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+    torch.manual_seed(0)  # the module composes three products: compared in float64
+    module = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=torch.float64).eval()
+    run = session(module, (torch.randn(2, 50, 32, dtype=torch.float64),), ({1: length},))
+    x = np.random.default_rng(0).standard_normal((2, 77, 32))
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    got = run.run(None, {run.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
