@@ -194,6 +194,47 @@ def parallel(session: nox.Session) -> None:
     )
 
 
+#: The lower bounds of pyproject.toml, installed as they are: NumPy's and array-api-compat's
+#: (the NumPy backend: its suite in full), JAX's (with the NumPy it needs: the tests of the
+#: JAX adapter's paths, kernels and exports). torch has only its 2.13 CPU build on this
+#: machine: its older versions are honoured by a version gate in the adapter instead.
+FLOORS_NUMPY = ("numpy==1.26.4", "array-api-compat==1.14.0")
+FLOORS_JAX = ("jax==0.9.0", "jaxlib==0.9.0", "numpy==2.0.2", "array-api-compat==1.14.0")
+#: What the JAX floor's run covers (the whole JAX suite takes 7 minutes here).
+FLOORS_JAX_TESTS = (
+    "tests/test_attend.py",
+    "tests/test_paths.py",
+    "tests/test_blockwise.py",
+    "tests/test_grad.py",
+    "tests/test_export.py",
+    "tests/test_flax_mha.py",
+)
+#: Test dependencies the floors leave out: array-api-strict's releases that take NumPy
+#: 1.26 fail their own device moves there, and dask, ONNX serve backends not run here.
+_NOT_AT_FLOORS = ("array-api-strict", "dask", "distributed", "onnx")
+
+
+def _floors_install(session: nox.Session, pins: tuple[str, ...], *extra: str) -> None:
+    test = [r for r in _dependency_group("test") if not r.startswith(_NOT_AT_FLOORS)]
+    session.install(*pins, *extra, ".", *test)
+
+
+@nox.session(name="floors")
+def floors(session: nox.Session) -> None:
+    """The suite at the lower bounds pyproject.toml declares: NumPy 1.26 with
+    array-api-compat 1.14 (every NumPy test), then JAX 0.9.0 (its adapter's tests)."""
+    _floors_install(session, FLOORS_NUMPY)
+    session.run(
+        "python", "-m", "pytest", *WORKERS, "-m", "not compile", *session.posargs,
+        env={"PORTABLE_ATTENTION_BACKENDS": "numpy"},
+    )  # fmt: skip
+    _floors_install(session, FLOORS_JAX, "flax")
+    session.run(
+        "python", "-m", "pytest", *WORKERS, "-m", "not compile", *FLOORS_JAX_TESTS,
+        *session.posargs, env={"PORTABLE_ATTENTION_BACKENDS": "jax", "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check, and mypy over the package."""

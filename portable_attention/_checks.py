@@ -37,9 +37,12 @@ def is_kind(xp: Any, dtype: Any, kind: str) -> bool | None:
     bfloat16 or float8 on NumPy arrays, JAX key arrays), which the namespace refuses with
     a TypeError of its own that names no argument."""
     try:
-        return bool(xp.isdtype(dtype, kind))
+        result = bool(xp.isdtype(dtype, kind))
     except (TypeError, ValueError):
         return None
+    if not result and dtype not in xp.__array_namespace_info__().dtypes().values():
+        return None  # (array-api-compat before 1.13 on NumPy 1.26: False for bfloat16)
+    return result
 
 
 def same_length(a: Any, b: Any) -> bool:

@@ -282,6 +282,32 @@ def test_torch_fused_gqa_lower_right_and_empty_rows() -> None:
 
 
 @requires_backend("torch")
+def test_torch_sdpa_rows_repaired_where_its_cpu_zeros_are_not_verified(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before torch 2.5 SDPA's CPU kernels gave NaN on a row with no key; there the adapter
+    sets such rows to 0 itself, as on other devices. This torch gives 0 anyway, so the
+    test shows that the repair, forced here, keeps every row right (rows with no key
+    through lower-right causal with Lq > Lk and through an all-False mask row)."""
+    from portable_attention.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_CPU_EMPTY_ROWS_ZERO", False)
+    backend = BY_NAME["torch"]
+    q, k, v = _qkv(backend, (2, 4, 9, 8), (2, 2, 5, 8), "float64")
+    mask = np.ones((9, 5), dtype=bool)
+    mask[6] = False
+    arrays = [backend.to_numpy(a) for a in (q, k, v)]
+    for kwargs, ref in (
+        ({"causal": True}, {"causal": True}),
+        ({"mask": backend.asarray(mask, "bool")}, {"mask": mask}),
+    ):
+        assert plan(q, k, v, **kwargs).path == "fused:torch"
+        out = backend.to_numpy(attend(q, k, v, **kwargs))
+        assert_close(out, oracle.attention(*arrays, **ref)[0], "float64")
+        assert not np.isnan(out).any()
+
+
+@requires_backend("torch")
 @pytest.mark.compile
 def test_torch_compile_fullgraph() -> None:
     import torch

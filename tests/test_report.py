@@ -361,7 +361,7 @@ def test_pairwise_disagreement_within_oracle_tolerance() -> None:
 def test_wrong_dtype_or_framework_disagrees(tmp_path: Path) -> None:
     """A result in another dtype (a silent upcast) or framework is a disagreement."""
     out_json = tmp_path / "r.json"
-    upcast = _numpy_target("upcast", _shifted(lambda out: np.zeros((), np.float64)))
+    upcast = _numpy_target("upcast", _shifted(lambda out: np.zeros(out.shape, np.float64)))
     listed = _numpy_target("torch_out", lambda *a, **kw: _as_torch(attend(*a, **kw)))
     run_on = [upcast] + ([listed] if "torch" in BACKEND_NAMES else [])
     assert _report.main(["--cases", "plain", "-q", "--json", str(out_json)], run_on=run_on) == 1

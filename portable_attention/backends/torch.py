@@ -462,6 +462,11 @@ def fused_reason(call: _spec.Call) -> str | None:
     return None
 
 
+#: SDPA's CPU kernels give 0 on a row with no key from torch 2.5 (its safe softmax); before,
+#: NaN, so rows with no key are then set to 0 as on other devices.
+_CPU_EMPTY_ROWS_ZERO = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
 def sdpa(call: _spec.Call, q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) -> Any:
     """``out`` from SDPA with the operand of ``_core.fused_operand`` (converted to torch
     by the caller); rows with no key give 0 (SDPA's safe softmax on CPU, forced elsewhere).
@@ -479,7 +484,7 @@ def sdpa(call: _spec.Call, q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bo
         scale=call.scale,
         **_GQA_KWARGS[call.grouped],  # enable_gqa exists only from torch 2.5
     )
-    if attn_mask is not None and q.device.type != "cpu":
+    if attn_mask is not None and (q.device.type != "cpu" or not _CPU_EMPTY_ROWS_ZERO):
         # Only SDPA's CPU kernels are verified to give 0 on rows with no key.
         has_key = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         out = torch.where(has_key.any(dim=-1, keepdim=True), out, 0)

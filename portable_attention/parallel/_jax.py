@@ -70,13 +70,21 @@ def _shift(axis_name: Any, size: int, shift: int, tree: Any) -> Any:
     return jax.lax.ppermute(tree, axis_name, perm)
 
 
+def _varying_axes(x: Any) -> set[Any]:
+    """The manual axes ``x`` varies over: ``manual_axis_type.varying`` from jax 0.10, the
+    aval's ``vma`` before (0.8.2-0.9, which the floors session runs)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return set(manual.varying if manual is not None else aval.vma)
+
+
 def _varying(x: Any, *like: Any) -> Any:
     """``x`` marked as varying over every manual axis that ``like`` varies over (the
     branches of a ``lax.switch`` inside ``shard_map`` must agree on it)."""
     want: set[Any] = set()
     for y in like:
-        want |= set(jax.typeof(y).manual_axis_type.varying)
-    missing = want - set(jax.typeof(x).manual_axis_type.varying)
+        want |= _varying_axes(y)
+    missing = want - _varying_axes(x)
     if not missing:
         return x
     return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
