@@ -48,10 +48,22 @@ def is_kind(xp: Any, dtype: Any, kind: str) -> bool | None:
 def same_length(a: Any, b: Any) -> bool:
     """``a == b`` decided without a compiler's guard: equal ints, or one symbolic length
     (the same expression of an export's dynamic dimensions); two different symbols are
-    not known to be equal."""
+    not known to be equal (for a choice that must hold for every value of them)."""
     if type(a) is int and type(b) is int:
         return a == b
     return type(a) is type(b) and str(a) == str(b)
+
+
+def _must_equal(a: Any, b: Any) -> bool:
+    """``a == b`` where the call needs it (shapes that must broadcast): as
+    :func:`same_length`, and torch's SymInts by ``==``, a guard that ``torch.export``
+    checks against its ``Dim``s (it names each input's dimension apart, even where
+    inputs share one ``Dim``)."""
+    if same_length(a, b):
+        return True
+    if "SymInt" in (type(a).__name__, type(b).__name__):
+        return bool(a == b)
+    return False
 
 
 def broadcast_shape(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -61,7 +73,7 @@ def broadcast_shape(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...] |
     for x, y in itertools.zip_longest(reversed(a), reversed(b), fillvalue=1):
         if type(x) is int and x == 1:
             out.append(y)
-        elif (type(y) is int and y == 1) or same_length(x, y):
+        elif (type(y) is int and y == 1) or _must_equal(x, y):
             out.append(x)
         else:
             return None

@@ -22,9 +22,9 @@ BLOCKWISE = "portable:blockwise"
 
 #: Why a call of symbolic lengths takes the dense path (whatever its size).
 _SYMBOLIC = (
-    "the lengths are symbolic (an export with dynamic shapes), so no choice may depend on "
-    "their values: the dense path serves every length, where the blockwise loops and the "
-    "tuned kernels would fix them"
+    "the shapes are symbolic (an export with dynamic shapes), so no choice may depend on "
+    "their values: the dense path serves every size, where the size rules, the blockwise "
+    "loops and the tuned kernels would fix them"
 )
 
 
@@ -96,7 +96,7 @@ def _portable(call: Call, why: str) -> Plan:
 def _decide(call: Call) -> Plan:
     implementation = call.implementation
     if call.chunk_size is not None:  # before any kernel: every backend would decline
-        if call.symbolic:
+        if call.symbolic_lengths:
             raise symbolic_chunks_error(call)
         return Plan(
             BLOCKWISE,
@@ -138,7 +138,7 @@ def choose(call: Call) -> Plan:
 def symbolic_chunks_error(call: Call) -> ValueError:
     msg = (
         f"`chunk_size={call.chunk_size}` walks blocks of static lengths, but this call's "
-        f"shapes are symbolic (q {tuple(call.q_shape)}, k {tuple(call.k_shape)}: an export "
+        f"lengths are symbolic (q {tuple(call.q_shape)}, k {tuple(call.k_shape)}: an export "
         "with dynamic shapes); leave chunk_size out (the dense path serves every length) "
         "or export with static lengths."
     )

@@ -127,9 +127,14 @@ class Call:
     @property
     def symbolic(self) -> bool:
         """Whether a dimension of q, k or v is symbolic (``torch.export`` with dynamic
-        shapes, ``jax.export`` with ``symbolic_shape``): decisions that compare lengths
-        are then taken so that they hold for every value of it."""
+        shapes, ``jax.export`` with ``symbolic_shape``): decisions that compare sizes are
+        then taken so that they hold for every value of it."""
         return not all(type(d) is int for d in (*self.q_shape, *self.k_shape, *self.v_shape))
+
+    @property
+    def symbolic_lengths(self) -> bool:
+        """Whether ``Lq`` or ``Lk`` is symbolic (the blockwise loops need them static)."""
+        return type(self.q_shape[-2]) is not int or type(self.k_shape[-2]) is not int
 
     @property
     def grouped(self) -> bool:

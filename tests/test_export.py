@@ -259,3 +259,63 @@ def test_torch_onnx_export_with_a_dynamic_length_runs_in_onnxruntime() -> None:
         want = module(torch.from_numpy(x)).numpy()
     got = run.run(None, {run.get_inputs()[0].name: x})[0]
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
+@requires_backend("torch")
+def test_torch_export_masks_ids_and_chunks_with_a_dynamic_batch() -> None:
+    """torch.export names each input's dimension apart, even where inputs share one
+    ``Dim``: a mask and segment ids of dynamic batch and lengths still broadcast (their
+    equality is a guard the export checks), and ``chunk_size`` runs where only the batch
+    is dynamic (the lengths, which its blocks need, are static)."""
+    import torch
+
+    batch = torch.export.Dim("B", max=64)
+    lq, lk = torch.export.Dim("Lq", min=2, max=4096), torch.export.Dim("Lk", min=2, max=4096)
+
+    class Masked(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any, mask: Any) -> Any:
+            return attend(q, k, v, mask=mask, causal=True)
+
+    def masked_inputs(b: int, n_q: int, n_k: int) -> list[np.ndarray]:
+        q, k, v = _inputs(n_q, n_k, batch=b)
+        return [q, k, v, rng_for("export", "mask", b).random((b, 1, n_q, n_k)) < 0.7]
+
+    dims = {"q": {0: batch, 2: lq}, "k": {0: batch, 2: lk}, "v": {0: batch, 2: lk}}
+    dims["mask"] = {0: batch, 2: lq, 3: lk}
+    example = tuple(torch.from_numpy(x) for x in masked_inputs(2, 30, 40))
+    run = torch.export.export(Masked(), example, dynamic_shapes=dims).module()
+    q, k, v, mask = masked_inputs(3, 70, 90)
+    got = run(*(torch.from_numpy(x) for x in (q, k, v, mask))).numpy()
+    want = oracle.attention(q, k, v, mask=mask, causal=True)[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+    class Packed(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any, ids: Any) -> Any:
+            return attend(q, k, v, causal=True, segment_ids=ids)
+
+    length = torch.export.Dim("L", min=2, max=4096)
+    dims = {name: {0: batch, 2: length} for name in "qkv"}
+    dims["ids"] = {0: batch, 1: length}
+    q, k, v = _inputs(40, 40)
+    example = (
+        *(torch.from_numpy(x) for x in (q, k, v)),
+        torch.from_numpy(_packed_ids(2, 40, (20,))),
+    )
+    run = torch.export.export(Packed(), example, dynamic_shapes=dims).module()
+    arrays = _inputs(77, 77, batch=3)
+    ids = _packed_ids(3, 77, (11, 50))
+    got = run(*(torch.from_numpy(x) for x in (*arrays, ids))).numpy()
+    want = oracle.attention(*arrays, causal=True, segment_ids=ids)[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+    class Chunked(torch.nn.Module):
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            return attend(q, k, v, causal=True, chunk_size=16)
+
+    example = tuple(torch.from_numpy(x) for x in _inputs(64, 64))
+    run = torch.export.export(
+        Chunked(), example, dynamic_shapes={name: {0: batch} for name in "qkv"}
+    ).module()
+    arrays = _inputs(64, 64, batch=5)
+    got = run(*(torch.from_numpy(x) for x in arrays)).numpy()
+    np.testing.assert_allclose(got, _oracle(*arrays, {"causal": True}), rtol=TOL, atol=TOL)

@@ -74,7 +74,7 @@ def test_jax_plan_on_cpu_prefers_portable_by_measurement() -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_plan_is_native() -> None:
+def test_numpy_plan_is_tuned() -> None:
     backend = BY_NAME["numpy"]
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
     p = plan(q, k, v, return_weights=True, causal=True, softcap=3.0)

@@ -199,10 +199,6 @@ def _blas_on_one_thread() -> Any:
     return threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
-def _kernel_threads() -> int:
-    return sum(t.name.startswith("portable_attention") for t in threading.enumerate())
-
-
 @requires_backend("numpy")
 def test_numpy_kernel_leaves_the_blas_thread_count_alone() -> None:
     """While big calls run on other threads (4M scores and more: the size that runs the
@@ -237,17 +233,29 @@ def test_numpy_kernel_leaves_the_blas_thread_count_alone() -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_kernel_threads_where_the_blas_is_on_one() -> None:
+def test_numpy_kernel_threads_where_the_blas_is_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ``threadpool_limits(1, "blas")`` a big call runs the kernel's own threads,
     with the same numbers as the same call on this thread and a threaded BLAS (to the
     tolerance: a matrix product of other block sizes may round otherwise); it leaves the
     user's limit as it found it."""
-    _blas_threads()
+    before = _blas_threads()
+    if not before:
+        pytest.skip("threadpoolctl finds no BLAS: the kernel runs no threads of its own")
     (_, big), (_, masked) = _numpy_threaded_jobs()
     want = [big(), *masked()]
+    pools: list[Any] = []
+    executor = numpy_backend._executor
+
+    def counted() -> Any:  # the kernel's own pool, counted each time a call takes it
+        pools.append(executor())
+        return pools[-1]
+
+    monkeypatch.setattr(numpy_backend, "_executor", counted)
+    big()
+    assert pools == [] or max(before) == 1  # a threaded BLAS: the call ran on this thread
     with _blas_on_one_thread():
         got = [big(), *masked()]
-        assert _kernel_threads() >= 1 or numpy_backend._WORKERS == 1
+        assert len(pools) >= 1 or numpy_backend._WORKERS == 1
         assert max(_blas_threads()) == 1
     rtol, atol = tolerance("float32")
     for g, w in zip(got, want, strict=True):

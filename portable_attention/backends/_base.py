@@ -221,8 +221,8 @@ class Adapter(ABC):
         read, copied from a device): what a block plan reads of a ``mask_mod``'s result."""
         try:
             return np.from_dlpack(x)
-        except (BufferError, RuntimeError, TypeError, ValueError):
-            return np.asarray(x)
+        except (AttributeError, BufferError, RuntimeError, TypeError, ValueError):
+            return np.asarray(x)  # (no __dlpack__: dask; a device array: JAX on a GPU)
 
     def scores(self, xp: Any) -> Callable[[Any, Any], Any] | None:
         """``q @ k^T`` for ``xp``'s arrays where this framework has a faster formulation;

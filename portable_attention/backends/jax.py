@@ -269,7 +269,7 @@ def _tuned_kernel(call: _spec.Call) -> Any:
     return jax.jit(functools.partial(_blocked, call))
 
 
-def _run_native(
+def _run_tuned(
     call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any
 ) -> tuple[Any, Any, Any]:
     """``_core.dense`` on blocks of ``_BLOCK_ROWS`` queries in a ``lax.map`` (then the
@@ -281,7 +281,7 @@ def _run_native(
 def _blocked(
     call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any
 ) -> tuple[Any, Any, Any]:
-    """:func:`run_native`'s computation."""
+    """:func:`_run_tuned`'s computation."""
     lq, rows = call.q_shape[-2], _BLOCK_ROWS
     # causal/window become one mask up front: a block's offset is traced inside the map.
     allowed = _core.allow_mask(call, mask)
@@ -624,7 +624,7 @@ class QueryBlocks(Kernel):
         keep: Any,
         mods: Any = None,
     ) -> tuple[Any, Any, Any]:
-        return _run_native(call, q, k, v, mask, bias, keep)
+        return _run_tuned(call, q, k, v, mask, bias, keep)
 
 
 class JaxAdapter(Adapter):

@@ -118,7 +118,7 @@ class BlockedKernel(Kernel):
         keep: Any,
         mods: Any = None,
     ) -> tuple[Any, Any, Any]:
-        return run_native(call, q, k, v, mask, bias, keep, mods)
+        return run_tuned(call, q, k, v, mask, bias, keep, mods)
 
 
 class NumpyAdapter(Adapter):
@@ -168,7 +168,7 @@ def _qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...]:
 ADAPTER = NumpyAdapter()
 
 
-def run_native(
+def run_tuned(
     call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any, keep: Any, mods: Any = None
 ) -> tuple[Any, Any, Any]:
     """``(out, weights or None, lse or None)`` with the contract of ``_core.dense``
