@@ -41,7 +41,7 @@ def is_kind(xp: Any, dtype: Any, kind: str) -> bool | None:
     except (TypeError, ValueError):
         return None
     if not result and dtype not in xp.__array_namespace_info__().dtypes().values():
-        return None  # (array-api-compat before 1.13 on NumPy 1.26: False for bfloat16)
+        return None  # (array-api-compat 1.11 on NumPy 1.26 said False for bfloat16)
     return result
 
 
