@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from portable_attention import _blockwise, _core, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._options import Options, options
-from portable_attention._plan import BLOCKWISE, Plan, choose
+from portable_attention._plan import BLOCKWISE, DENSE, Plan, choose
 from portable_attention._spec import Call, validate_call
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Prepared
@@ -254,7 +254,8 @@ def _runner(call: Call, path: str) -> Runnable:
     arguments) is bound here, so a repeated call pays for the kernel and little else.
     """
     backend = adapter(call.backend)
-    fused, tuned = backend.fused, backend.tuned
+    # The kernels only where the plan names one: an adapter may import them when read.
+    fused = backend.fused if path not in (BLOCKWISE, DENSE) else None
     if fused is not None and path == fused.path:
 
         def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
@@ -263,6 +264,7 @@ def _runner(call: Call, path: str) -> Runnable:
 
         return Runnable(run_fused, fused.prepare(call) if not call.rng_given else None)
 
+    tuned = backend.tuned if path not in (BLOCKWISE, DENSE) else None
     if tuned is not None and path == tuned.path:
 
         def run_tuned(

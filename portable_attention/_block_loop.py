@@ -133,5 +133,15 @@ class BlockLoop:
         return _concat(self.xp, parts, axes[depth])
 
 
+def unstacked(xp: Any, x: Any, axis: int) -> Any:
+    """Blocks stacked on a leading axis (a compiled loop's outputs, ``[blocks, ..., rows,
+    ...]``) moved to ``axis`` and merged with the rows after it."""
+    x = xp.moveaxis(x, 0, axis)
+    shape = x.shape
+    return xp.reshape(
+        x, (*shape[: x.ndim + axis], shape[axis] * shape[axis + 1], *shape[x.ndim + axis + 2 :])
+    )
+
+
 def _concat(xp: Any, blocks: list[Any], axis: int) -> Any:
     return blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=axis)

@@ -57,6 +57,7 @@ from portable_attention._checks import is_kind, shape_of
 from portable_attention._core import Scores
 from portable_attention._mods import Mods
 from portable_attention._spec import Call, check_arrays
+from portable_attention.backends import adapter
 
 _INF = float("inf")  # (a pass's ``math`` argument shadows the math module)
 
@@ -124,16 +125,17 @@ def forward(
     dtype, as :func:`_core.dense`. ``keep``: dropout's keep masks, one per block.
     ``mods``: segment ids and score/mask mods; with ``host_bool`` (eager frameworks),
     blocks that they mask entirely are skipped. ``query_blocks=(start, stop)``: only the
-    rows of those query blocks (their ``out`` and ``lse``). ``math``: the blocks'
-    elementwise steps (:func:`block_math`); ``loop``: how the blocks are walked
-    (:class:`~portable_attention._block_loop.BlockLoop`).
+    rows of those query blocks (their ``out`` and ``lse``). ``scores``, ``host_bool``,
+    ``math`` (the blocks' elementwise steps), ``loop`` (how the blocks are walked): the
+    adapter's primitives where not given (:func:`_primitives`).
     """
     if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
         out, _, lse = _core._empty_keys(call, q, k, v)
         return out, lse
     xp, ct = call.xp, call.compute_dtype
-    loop = BlockLoop(xp, call.device) if loop is None else loop
-    math = block_math(call, math)
+    scores, host_bool, math, loop = _primitives(
+        call, (q, k, v, mask, bias), scores, host_bool, math, loop
+    )
     run = prepared(call, loop, q, k, v, mask, bias, mods)
     ops, mods = run.ops, run.mods
     keys_of = partners(pairs(call, run.size), run.nq, by_keys=False)
@@ -210,13 +212,27 @@ def bounded_scores(call: Call) -> bool:
     return call.softcap + math.log(max(call.k_shape[-2], 1)) < high - 1 and call.softcap < -low - 1
 
 
-def block_math(call: Call, math: BlockMath | None) -> BlockMath:
-    """The steps a pass takes: the adapter's ``math``, but the functional ones for a call
-    with a ``score_mod`` (whose result may be any array of the block's shape, which an
-    in-place step must not overwrite) or where none is given."""
-    if math is None or call.score_mod:
-        return BlockMath(call.xp)
-    return math
+def _primitives(
+    call: Call,
+    arrays: tuple[Any, ...],
+    scores: Scores | None,
+    host_bool: HostBool | None,
+    math: BlockMath | None,
+    loop: BlockLoop | None,
+) -> tuple[Scores | None, HostBool, BlockMath, BlockLoop]:
+    """The primitives a pass runs on: those given, else the adapter's (``Adapter.scores``,
+    ``host_bool``, ``block_math`` of the pass's ``arrays``, ``block_loop``). The steps are
+    the functional ones for a call with a ``score_mod``, whose result may be any array of
+    the block's shape, which an in-place step must not overwrite."""
+    backend = adapter(call.backend)
+    if math is None and not call.score_mod:
+        math = backend.block_math(call.xp, arrays)
+    return (
+        backend.scores(call.xp) if scores is None else scores,
+        backend.host_bool if host_bool is None else host_bool,
+        BlockMath(call.xp) if call.score_mod or math is None else math,
+        backend.block_loop(call) if loop is None else loop,
+    )
 
 
 def grouped(call: Call, x: Any, *, last: int | None) -> Any:
@@ -285,9 +301,8 @@ def backward(
     differentiates it on its own path, JAX through :func:`backward_and_consts`).
     ``sinks``: with the ``lse`` that includes them, every block's ``exp(s - lse)`` is
     already the probability with the sink in the denominator; ``dsinks`` comes from the
-    rows' ``delta`` (:func:`_core.sinks_grad`). ``math``: the blocks' elementwise steps
-    (:func:`block_math`); ``loop``: how the blocks are walked. Returns :class:`Grads` in
-    the inputs' dtypes and shapes.
+    rows' ``delta`` (:func:`_core.sinks_grad`). The primitives as :func:`forward`'s.
+    Returns :class:`Grads` in the inputs' dtypes and shapes.
     """
     assert not call.score_mod, "the array-API backward cannot differentiate a score_mod"
     return backward_and_consts(
@@ -321,8 +336,9 @@ def backward_and_consts(
     """:func:`backward`, with a ``score_mod`` differentiated by ``score_grad``: returns
     ``(grads, gradients of score_grad.consts)`` (``()`` without one)."""
     xp = call.xp
-    loop = BlockLoop(xp, call.device) if loop is None else loop
-    math = block_math(call, math)
+    scores, host_bool, math, loop = _primitives(
+        call, (dout, q, k, v, out, lse, bias, dlse, sinks), scores, host_bool, math, loop
+    )
     lq, lk = call.q_shape[-2], call.k_shape[-2]
     consts = () if score_grad is None else tuple(score_grad.consts)
     dbias_wanted = bias is not None and want_dbias

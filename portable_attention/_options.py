@@ -60,6 +60,47 @@ class Options:
     implementation: str = "auto"
 
 
+#: :class:`Options` as the scalars of a compiled operator's schema (torch.library's custom
+#: operators take no None, tuple or dataclass): ``(causal, left, right, windowed, scale,
+#: softcap, dropout, chunk_size)``: causal "" for none, a window side -1 for unbounded
+#: (``windowed`` False: no window), softcap 0.0 for none. Only what a kernel reads: the
+#: weights are never asked for there, and ``return_lse`` is always.
+Fields = tuple[str, int, int, bool, float, float, float, int]
+
+
+def to_fields(options: Options, *, scale: float, chunk_size: int, wide: int) -> Fields:
+    """``options`` as :data:`Fields`, with the call's resolved ``scale`` and block length.
+    A window side over ``wide`` (no distance on the call's grid is larger) becomes
+    ``wide``: the same band, and it fits a schema's int64 (a side up to 2**70 is valid)."""
+    left, right = options.window if options.window is not None else (None, None)
+    return (
+        options.causal or "",
+        -1 if left is None else min(left, wide),
+        -1 if right is None else min(right, wide),
+        options.window is not None,
+        scale,
+        options.softcap or 0.0,
+        options.dropout,
+        chunk_size,
+    )
+
+
+def from_fields(fields: Fields) -> Options:
+    """The :class:`Options` that :func:`to_fields` wrote (with ``return_lse``): already
+    normalised, nothing checked again."""
+    causal, left, right, windowed, scale, softcap, dropout, chunk_size = fields
+    window = (None if left < 0 else left, None if right < 0 else right) if windowed else None
+    return Options(
+        causal=causal or None,
+        window=window,
+        scale=scale,
+        softcap=softcap or None,
+        dropout=dropout,
+        chunk_size=chunk_size,
+        return_lse=True,
+    )
+
+
 def options(
     *,
     causal: object = False,

@@ -14,7 +14,7 @@ import pytest
 from portable_attention import _core, attend, plan
 from portable_attention._options import options
 from portable_attention._spec import validate_call
-from portable_attention.backends import numpy as numpy_backend
+from portable_attention.backends import numpy_kernel as numpy_backend
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
@@ -289,9 +289,9 @@ def test_torch_sdpa_rows_repaired_where_its_cpu_zeros_are_not_verified(
     sets such rows to 0 itself, as on other devices. This torch gives 0 anyway, so the
     test shows that the repair, forced here, keeps every row right (rows with no key
     through lower-right causal with Lq > Lk and through an all-False mask row)."""
-    from portable_attention.backends import torch as torch_backend
+    from portable_attention.backends import torch_sdpa
 
-    monkeypatch.setattr(torch_backend, "_CPU_EMPTY_ROWS_ZERO", False)
+    monkeypatch.setattr(torch_sdpa, "_CPU_EMPTY_ROWS_ZERO", False)
     backend = BY_NAME["torch"]
     q, k, v = _qkv(backend, (2, 4, 9, 8), (2, 2, 5, 8), "float64")
     mask = np.ones((9, 5), dtype=bool)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import _memo, attend, plan
-from portable_attention.backends import numpy as numpy_backend
+from portable_attention.backends import numpy_kernel as numpy_backend
 from portable_attention.testing import tolerance
 
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
@@ -267,7 +267,7 @@ import os, threading
 import numpy as np
 import threadpoolctl
 from portable_attention import attend
-from portable_attention.backends import numpy as nb
+from portable_attention.backends import numpy_kernel as nb
 
 q = np.random.default_rng(0).standard_normal((1, 8, 1024, 32), dtype=np.float32)
 assert q.shape[1] * q.shape[2] ** 2 >= nb._THREADS_MIN_ELEMENTS  # the threaded kernel

@@ -114,8 +114,18 @@ class Adapter(ABC):
     name: ClassVar[str]
     #: What ``rng=`` takes on this framework, in words (in messages).
     rng: ClassVar[str]
-    fused: Kernel | None = None
-    tuned: Kernel | None = None
+
+    @property
+    def fused(self) -> Kernel | None:
+        """The framework's fused kernel, or None (a subclass may import it when first
+        read, as torch's and JAX's adapters do, or set a class attribute)."""
+        return None
+
+    @property
+    def tuned(self) -> Kernel | None:
+        """The package's own kernel for this framework, or None (as :attr:`fused`)."""
+        return None
+
     #: Whether this framework's autodiff differentiates through ``attend``: its dense
     #: path would save the probabilities ``[..., Lq, Lk]`` for backward.
     autodiff: ClassVar[bool] = False
@@ -145,20 +155,7 @@ class Adapter(ABC):
         """``(out, lse)`` of the blockwise path, differentiable by this framework's
         autodiff with :meth:`blockwise_backward` as the gradient (where it has one).
         ``mods``: the call's segment ids and mods (sinks are merged in by the caller)."""
-        return _blockwise.forward(
-            call,
-            q,
-            k,
-            v,
-            mask,
-            bias,
-            keep,
-            scores=self.scores(call.xp),
-            mods=mods,
-            host_bool=self.host_bool,
-            math=self.block_math(call.xp, (q, k, v, mask, bias)),
-            loop=self.block_loop(call),
-        )
+        return _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods)
 
     def blockwise_backward(
         self,
@@ -180,23 +177,7 @@ class Adapter(ABC):
         ``lse``; ``keep`` replays :meth:`blockwise`'s dropout; ``sinks`` (with the ``lse``
         that includes them) adds ``dsinks``."""
         return _blockwise.backward(
-            call,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            mask,
-            bias,
-            keep,
-            dlse=dlse,
-            scores=self.scores(call.xp),
-            mods=mods,
-            host_bool=self.host_bool,
-            sinks=sinks,
-            math=self.block_math(call.xp, (dout, q, k, v, out, lse, bias, dlse, sinks)),
-            loop=self.block_loop(call),
+            call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, mods=mods, sinks=sinks
         )
 
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:

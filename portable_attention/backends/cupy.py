@@ -65,11 +65,11 @@ def _fused_reason(call: _spec.Call) -> str | None:
 
     if not torch.cuda.is_available():
         return "CuPy has no attention kernel and this torch build has no CUDA"
-    from portable_attention.backends import torch as torch_adapter
+    from portable_attention.backends import torch_sdpa
 
     if call.dropout > 0:
         return "SDPA's dropout would draw from torch's RNG, not CuPy's"
-    return torch_adapter.fused_reason(call)
+    return torch_sdpa.fused_reason(call)
 
 
 def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
@@ -77,13 +77,13 @@ def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -
     is built in CuPy (``_core`` on the call's namespace), then viewed by torch."""
     import torch
 
-    from portable_attention.backends import torch as torch_adapter
+    from portable_attention.backends import torch_sdpa
 
     attn_mask, is_causal = _core.fused_operand(call, mask, bias)
     tq, tk, tv = (_to_torch(x) for x in (q, k, v))
     tmask = None if attn_mask is None else _to_torch(attn_mask)
     with torch.cuda.device(tq.device):
-        out = torch_adapter.sdpa(call, tq, tk, tv, tmask, is_causal)
+        out = torch_sdpa.sdpa(call, tq, tk, tv, tmask, is_causal)
     return cupy.from_dlpack(out)
 
 

@@ -1,32 +1,25 @@
-"""PyTorch: ``torch.nn.functional.scaled_dot_product_attention`` as the fused path,
-dropout from a ``torch.Generator`` (torch's global RNG when None), and the blockwise path
-as a ``torch.autograd.Function`` whose backward is the blockwise backward of
-:mod:`portable_attention._blockwise` (it saves q, k, v, out and lse, never the
-probabilities)."""
+"""PyTorch: dropout from a ``torch.Generator`` (torch's global RNG when None), the
+blockwise path as a ``torch.autograd.Function`` whose backward is the blockwise backward
+of :mod:`portable_attention._blockwise` (it saves q, k, v, out and lse, never the
+probabilities), and ``torch.nn.functional.scaled_dot_product_attention`` as the fused
+path (:mod:`portable_attention.backends.torch_sdpa`, imported when first planned)."""
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from portable_attention import _block_grid, _blockwise, _core, _mods, _spec
+from portable_attention import _block_grid, _blockwise, _spec
 from portable_attention._block_math import BlockMath
 from portable_attention._core import KeepMask
-from portable_attention._options import Options, default_scale
+from portable_attention._options import from_fields, to_fields
 from portable_attention.backends._base import Adapter, Kernel, MemoKeys
 
 NAME = "torch"
 RNG = "a torch.Generator on the arrays' device (or None for torch's global RNG)"
-
-_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-_HAS_GQA = _VERSION >= (2, 5)
-_GQA_KWARGS: dict[bool, dict[str, bool]] = {True: {"enable_gqa": True}, False: {}}
 
 
 def _keep_mask(rng: Any, p: float, device: Any) -> Any:
@@ -78,29 +71,16 @@ def _block_keep(rng: Any, p: float, device: Any) -> SeededKeep:
 # torch.library custom operators (torch >= 2.4) the forward and the backward are one opaque
 # node each, whatever L is; their fake kernels give the shapes.
 
-#: The options of a call as the custom operators take them (schema types only):
-#: causal ("" for none), window sides (-1: unbounded; both -1 and no window: none),
-#: scale, softcap (0.0: none), dropout, seed (-1: no dropout), block length.
+#: The custom operators' arguments after the tensors: the options' fields
+#: (:data:`portable_attention._options.Fields`), then dropout's seed (-1: no dropout).
 _Schema = tuple[str, int, int, bool, float, float, float, int, int]
 
 
 def _to_schema(call: _spec.Call, keep: SeededKeep | None) -> _Schema:
-    """The custom operators' arguments for ``call``'s options (:func:`_from_schema`
-    inverts it)."""
-    left, right = call.window if call.window is not None else (None, None)
-    wide = call.q_shape[-2] + call.k_shape[-2]  # no distance on the grid is larger: a
-    # wider side (up to 2**70 is valid) means the same and fits the schema's int64
-    return (
-        call.causal or "",
-        -1 if left is None else min(left, wide),
-        -1 if right is None else min(right, wide),
-        call.window is not None,
-        call.scale,
-        call.softcap or 0.0,
-        call.dropout,
-        -1 if keep is None else keep.seed,
-        _block_grid.block_size(call),
-    )
+    """The custom operators' arguments for ``call`` (:func:`_from_schema` inverts it)."""
+    size, wide = _block_grid.block_size(call), call.q_shape[-2] + call.k_shape[-2]
+    fields = to_fields(call.options, scale=call.scale, chunk_size=size, wide=wide)
+    return (*fields, -1 if keep is None else keep.seed)
 
 
 def _from_schema(
@@ -108,20 +88,10 @@ def _from_schema(
 ) -> tuple[_spec.Call, SeededKeep | None]:
     """The call (and keep masks) that :func:`_to_schema` wrote, on the operator's
     arguments: the options as they were normalised, nothing checked again."""
-    causal, left, right, windowed, scale, softcap, dropout, seed, size = schema
-    window = (None if left < 0 else left, None if right < 0 else right) if windowed else None
-    options = Options(
-        causal=causal or None,
-        window=window,
-        scale=scale,
-        softcap=softcap or None,
-        dropout=dropout,
-        chunk_size=size,
-        return_lse=True,
-    )
+    options = from_fields(schema[:-1])
     call = _spec.describe(options, q, k, v, mask=mask, bias=bias)
-    keep = None if seed < 0 else SeededKeep(seed, dropout, q.device)
-    return call, keep
+    seed = schema[-1]
+    return call, None if seed < 0 else SeededKeep(seed, options.dropout, q.device)
 
 
 class InPlaceMath(BlockMath):
@@ -267,11 +237,11 @@ if _HAS_CUSTOM_OP:
         scale: float,
         softcap: float,
         dropout: float,
-        seed: int,
         size: int,
+        seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward_impl(
-            q, k, v, mask, bias, causal, left, right, windowed, scale, softcap, dropout, seed, size
+            q, k, v, mask, bias, causal, left, right, windowed, scale, softcap, dropout, size, seed
         )
 
     @_forward_op.register_fake
@@ -301,12 +271,12 @@ if _HAS_CUSTOM_OP:
         scale: float,
         softcap: float,
         dropout: float,
-        seed: int,
         size: int,
+        seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return _backward_impl(
             dout, dlse, q, k, v, out, lse, mask, bias, want_dbias,
-            causal, left, right, windowed, scale, softcap, dropout, seed, size,
+            causal, left, right, windowed, scale, softcap, dropout, size, seed,
         )  # fmt: skip
 
     @_backward_op.register_fake
@@ -344,18 +314,9 @@ class BlockwiseFunction(torch.autograd.Function):
         if _HAS_CUSTOM_OP and mods is None:
             out, lse = _forward_op(q, k, v, mask, bias, *_to_schema(call, keep))
         else:
-            out, lse = _blockwise.forward(
-                call,
-                q,
-                k,
-                v,
-                mask,
-                bias,
-                keep,
-                mods=mods,
-                host_bool=_host_bool,
-                math=InPlaceMath(call.xp),  # autograd.Function.forward records nothing
-            )
+            # In place: autograd.Function.forward records nothing.
+            math = InPlaceMath(call.xp)
+            out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods, math=math)
         return out, lse
 
     @staticmethod
@@ -378,25 +339,13 @@ class BlockwiseFunction(torch.autograd.Function):
                 dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_to_schema(call, keep)
             )
             return dq, dk, dv, None, dbias if want_dbias else None, None, None, None
+        # In place unless autograd records the backward (create_graph=True). Not the
+        # adapter's rule: dynamo cannot trace its functorch query.
+        math = BlockMath(call.xp) if torch.is_grad_enabled() else InPlaceMath(call.xp)
         grads = _blockwise.backward(
-            call,
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            mask,
-            bias,
-            keep,
-            dlse=dlse,
-            want_dbias=want_dbias,
-            mods=mods,
-            host_bool=_host_bool,
-            # In place unless autograd records the backward (create_graph=True). Not the
-            # adapter's rule: dynamo cannot trace its functorch query.
-            math=BlockMath(call.xp) if torch.is_grad_enabled() else InPlaceMath(call.xp),
-        )
+            call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
+            mods=mods, math=math,
+        )  # fmt: skip
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, None
 
 
@@ -423,9 +372,8 @@ def _checkpointed(
 
         def rows(q: Any, k: Any, v: Any, mask: Any, bias: Any, qi: int = qi) -> Any:
             return _blockwise.forward(
-                call, q, k, v, mask, bias, keep, mods=mods, host_bool=_host_bool,
-                query_blocks=(qi, qi + 1),
-            )  # fmt: skip
+                call, q, k, v, mask, bias, keep, mods=mods, query_blocks=(qi, qi + 1)
+            )
 
         out, lse = checkpoint(rows, q, k, v, mask, bias, use_reentrant=False)
         outs.append(out)
@@ -439,113 +387,18 @@ def _checkpointed(
     return out, lse
 
 
-def fused_reason(call: _spec.Call) -> str | None:
-    """Why SDPA cannot give the contract's answer for ``call`` (None: it can)."""
-    modded = _mods.unsupported(call, "SDPA")
-    if modded is not None:
-        return modded
-    if call.return_weights:
-        return "return_weights needs the probabilities, which SDPA does not return"
-    if call.return_lse:
-        return "return_lse needs the logsumexp, which SDPA's public API does not return"
-    if call.softcap is not None:
-        return "SDPA has no softcap"
-    if call.dropout > 0 and call.rng_given:
-        return (
-            "SDPA draws dropout from torch's global RNG and cannot take `rng` "
-            "(pass rng=None to use SDPA's dropout)"
-        )
-    if call.grouped and not _HAS_GQA:
-        return (
-            f"grouped-query heads need SDPA's enable_gqa (torch >= 2.5, have {torch.__version__})"
-        )
-    return None
-
-
-#: SDPA's CPU kernels give 0 on a row with no key from torch 2.5 (its safe softmax); before,
-#: NaN, so rows with no key are then set to 0 as on other devices.
-_CPU_EMPTY_ROWS_ZERO = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
-
-
-def sdpa(call: _spec.Call, q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) -> Any:
-    """``out`` from SDPA with the operand of ``_core.fused_operand`` (converted to torch
-    by the caller); rows with no key give 0 (SDPA's safe softmax on CPU, forced elsewhere).
-    Reads only ``scale``, ``dropout`` and ``grouped`` of ``call``: CuPy arrays come here
-    through DLPack."""
-    if attn_mask is not None and attn_mask.ndim < 2:
-        attn_mask = attn_mask.reshape(1, -1)  # SDPA wants [Lq|1, Lk] at least
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=call.dropout,
-        is_causal=is_causal,
-        scale=call.scale,
-        **_GQA_KWARGS[call.grouped],  # enable_gqa exists only from torch 2.5
-    )
-    if attn_mask is not None and (q.device.type != "cpu" or not _CPU_EMPTY_ROWS_ZERO):
-        # Only SDPA's CPU kernels are verified to give 0 on rows with no key.
-        has_key = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-        out = torch.where(has_key.any(dim=-1, keepdim=True), out, 0)
-    return out
-
-
-def _prepare(call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
-    """SDPA of ``(q, k, v)`` with the rest of ``call`` bound, where no mask is needed (no
-    mask, bias or window; causal only where SDPA's own flag is exact); else None."""
-    if call.mask_shape is not None or call.bias_shape is not None:
-        return None
-    allowed, is_causal = _core.fused_mask(call, None, None)
-    if allowed is not None:
-        return None
-    # Only what differs from SDPA's defaults: each keyword costs torch's parser time.
-    # (SDPA's default scale is 1/sqrt(Dk) in double precision, the same number as ours.)
-    bound: dict[str, Any] = dict(_GQA_KWARGS[call.grouped])
-    if call.dropout > 0:
-        bound["dropout_p"] = call.dropout
-    if is_causal:
-        bound["is_causal"] = True
-    if call.scale != default_scale(call.q_shape[-1]):
-        bound["scale"] = call.scale
-    if not bound:  # SDPA itself: one Python call less than a partial of nothing
-        return F.scaled_dot_product_attention
-    return functools.partial(F.scaled_dot_product_attention, **bound)
-
-
-class ScaledDotProductAttention(Kernel):
-    """``torch.nn.functional.scaled_dot_product_attention``."""
-
-    path = "fused:torch"
-    why = "torch.nn.functional.scaled_dot_product_attention covers every option of this call"
-
-    def reason(self, call: _spec.Call) -> str | None:
-        return fused_reason(call)
-
-    def run(
-        self,
-        call: _spec.Call,
-        q: Any,
-        k: Any,
-        v: Any,
-        mask: Any,
-        bias: Any,
-        keep: Any,
-        mods: Any = None,
-    ) -> tuple[Any, Any, Any]:
-        return sdpa(call, q, k, v, *_core.fused_operand(call, mask, bias)), None, None
-
-    def prepare(self, call: _spec.Call) -> Callable[[Any, Any, Any], Any] | None:
-        return _prepare(call)
-
-
 class TorchAdapter(Adapter):
     """PyTorch: SDPA, and dropout from a ``torch.Generator``."""
 
     name = NAME
     rng = RNG
-    fused = ScaledDotProductAttention()
     autodiff = True
+
+    @property
+    def fused(self) -> Kernel:
+        from portable_attention.backends.torch_sdpa import KERNEL
+
+        return KERNEL
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         return _keep_mask(rng, p, device)
