@@ -17,7 +17,9 @@ machine's speed drifts within minutes: only figures measured side by side compar
   forward and backward on ``[1, 2, 256, 16]`` float32, traced with ``sys.settrace``:
   torch through autograd (``out.sum().backward()``), JAX as ``jax.jit(jax.grad(...))``,
   NumPy as ``attend(..., return_lse=True)`` then ``attend_backward``. Prints, per
-  framework, the distinct lines of the package executed inside ``backends/`` and the share
+  framework, the distinct lines of the package executed inside ``backends/`` (cold: the
+  adapter's import counts, its module and class bodies; and of those, the lines inside
+  functions, what the call itself runs) and the share
   of the lines outside ``backends/`` that torch's call executes which this call executes
   too.
 - ``jax-compile``: ``jax.jit(jax.grad(loss))`` of the blockwise path, causal, ``[1, 8,
@@ -35,6 +37,7 @@ machine's speed drifts within minutes: only figures measured side by side compar
 
 from __future__ import annotations
 
+import inspect
 import os
 import resource
 import sys
@@ -59,17 +62,20 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def _traced(fn: Callable[[], Any]) -> set[tuple[str, int]]:
-    """The ``(file, line)`` pairs of the package that ``fn()`` executes."""
+def _traced(fn: Callable[[], Any]) -> set[tuple[str, int, bool]]:
+    """The ``(file, line, in a function)`` triples of the package that ``fn()`` executes;
+    the flag is False for the lines of module and class bodies (definitions, run once
+    when a module is imported)."""
     root = os.path.join(PACKAGE, "portable_attention")
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int, bool]] = set()
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
         path = frame.f_code.co_filename
         if not path.startswith(root):
             return None
         if event == "line":
-            seen.add((os.path.relpath(path, root), frame.f_lineno))
+            in_function = bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)
+            seen.add((os.path.relpath(path, root), frame.f_lineno, in_function))
         return tracer
 
     sys.settrace(tracer)
@@ -114,11 +120,17 @@ def lines() -> None:
 
     runs["numpy"] = numpy_run
     seen = {name: _traced(run) for name, run in runs.items()}
-    outside = {name: {x for x in s if not x[0].startswith("backends")} for name, s in seen.items()}
+    outside = {
+        name: {x[:2] for x in s if not x[0].startswith("backends")} for name, s in seen.items()
+    }
     for name, s in seen.items():
-        inside = sum(1 for x in s if x[0].startswith("backends"))
+        inside = [x for x in s if x[0].startswith("backends")]
+        in_calls = sum(1 for x in inside if x[2])
         share = len(outside[name] & outside["torch"]) / len(outside["torch"])
-        print(f"lines {name}: {inside} inside backends/, {share:.0%} of torch's outside")
+        print(
+            f"lines {name}: {len(inside)} inside backends/ ({in_calls} in functions, "
+            f"{len(inside) - in_calls} of definitions at import), {share:.0%} of torch's outside"
+        )
 
 
 def _jax_loss(length: int, impl: str) -> tuple[Any, tuple[Any, ...]]:

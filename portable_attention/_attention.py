@@ -222,17 +222,22 @@ def run_call(
     segment_ids: Any = None,
     score_mod: Any = None,
     mask_mod: Any = None,
+    *,
+    mods: _mods.Mods | None = None,
 ) -> Any:
     """Run a validated ``call`` on its arrays (or on slices of the arrays it validated,
     with :func:`portable_attention._spec.describe`'s call of them): planned, then run as
-    :func:`attend` runs it. The internal entry of the ring's blocks."""
+    :func:`attend` runs it. The internal entry of the ring's blocks, which give ``mods``
+    themselves (the ids of the block's rows and of its columns) instead of the arrays and
+    functions they are prepared from."""
     runner = _runner(call, choose(call).path)
     if runner.kernel is not None:  # fused kernels decline sinks, segment ids and mods
         assert not call.modded and sinks is None
         return runner.kernel(q, k, v)
     if not call.modded and sinks is None:
         return runner.run(q, k, v, mask, bias, rng)
-    mods = _mods.prepare(call, segment_ids, score_mod, mask_mod)
+    if mods is None:
+        mods = _mods.prepare(call, segment_ids, score_mod, mask_mod)
     return runner.run(q, k, v, mask, bias, rng, mods, sinks)
 
 
@@ -491,10 +496,13 @@ def run_backward(
     sinks: Any = None,
     segment_ids: Any = None,
     mask_mod: Any = None,
+    *,
+    mods: _mods.Mods | None = None,
 ) -> Grads:
     """:func:`attend_backward` of a validated ``call`` (as :func:`run_call`)."""
     keep = _block_keep(call, rng)
-    mods = _mods.prepare(call, segment_ids, None, mask_mod)
+    if mods is None:
+        mods = _mods.prepare(call, segment_ids, None, mask_mod)
     return adapter(call.backend).blockwise_backward(
         call, dout, q, k, v, out, lse, mask, bias, keep, dlse, mods, sinks
     )

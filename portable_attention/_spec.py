@@ -49,7 +49,9 @@ class Call:
     rng_given: bool
     #: Shape of ``sinks`` (None: no sinks).
     sinks_shape: tuple[int, ...] | None = None
-    #: ``segment_ids``: "self" (one array for q and k), "pair" (``(q_ids, kv_ids)``), None.
+    #: ``segment_ids``: "self" (one array for q and k), "pair" (``(q_ids, kv_ids)``),
+    #: "slices" (the ids of a block's rows and of its columns cut from one array, as the
+    #: ring's blocks are: the global band is exact, and a row may have no key), None.
     segments: str | None = None
     #: Whether a ``score_mod`` / ``mask_mod`` is given (the functions travel with the
     #: arrays in :class:`portable_attention._mods.Mods`, not in the call's description).

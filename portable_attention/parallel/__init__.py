@@ -97,6 +97,7 @@ def ring_attend(
     return_lse: bool = False,
     chunk_size: int | None = None,
     sinks: Any = None,
+    segment_ids: Any = None,
 ) -> Any:
     """Ring attention over a sequence sharded across devices; called on every shard.
 
@@ -126,6 +127,16 @@ def ring_attend(
         Attention sinks as :func:`portable_attention.attend` takes them (the same array
         on every shard): merged into each row's result after the ring, so its lse
         includes them; differentiable.
+    segment_ids : int array ``[..., L/P]``, optional
+        Packed documents: this shard's segment ids, in ``layout``'s order as q, k, v
+        (``reorder(ids, P, layout, axis=-1)`` of the global ids), with the meaning of
+        :func:`portable_attention.attend`'s one array of ids (a query attends only keys of
+        its own id; ``causal`` and ``window`` within it, which for one array of ids is the
+        global band). They travel the ring with their K/V shard: one small integer array
+        per step, so no shard needs the global ids. On torch the blocks where no query
+        shares an id with any visiting key are not computed (one host read of the ids
+        per block); under ``shard_map`` the ids are traced, so every scheduled block
+        runs, masked.
     return_lse : bool
         Also return this shard's rows of the logsumexp ``[..., H, L/P]``.
 
@@ -139,12 +150,13 @@ def ring_attend(
     ValueError
         An unbound ``axis_name``, a global length the layout cannot split (zigzag needs
         multiples of ``2P``), shards of unequal shapes or dtypes across ranks, options
-        (or the layout, or ``sinks`` given) that differ across torch.distributed ranks
-        (raised on every rank, naming the option and what each rank passed), or any of
-        :func:`~portable_attention.attend`'s checks.
+        (or the layout, or ``sinks`` or ``segment_ids`` given) that differ across
+        torch.distributed ranks (raised on every rank, naming the option and what each
+        rank passed), or any of :func:`~portable_attention.attend`'s checks.
     TypeError
         Arrays other than JAX or torch, ``group`` with JAX arrays or ``axis_name`` with
-        torch tensors, a ``group`` that is not a ProcessGroup.
+        torch tensors, a ``group`` that is not a ProcessGroup, ``segment_ids`` given as
+        a pair.
 
     Notes
     -----
@@ -156,23 +168,36 @@ def ring_attend(
     layout = check_layout(layout)
     given = {"causal": causal, "window": window, "scale": scale, "softcap": softcap}
     given.update({"chunk_size": chunk_size, "return_lse": return_lse, "sinks": sinks})
+    given["segment_ids"] = segment_ids
     _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
     _where(backend, axis_name, group, "ring_attend")
     module = _framework(backend, "ring_attend")
     if backend == "torch":
         link = module.resolve_group(group, q)
-        options = _agree(module, link, q, k, v, given, layout)
+        options = _agree(module, link, q, k, v, given, layout, travels={"segment_ids": segment_ids})
     else:
         link, options = axis_name, _options.options(**_scalars(given))
     if sinks is not None:  # the sinks merge after the ring, from its lse
         options = dataclasses.replace(options, return_lse=True)
-    call = _spec.validate_call(q, k, v, options, sinks=sinks)
-    result = module.ring_attend(call, q, k, v, link, layout)
+    _check_ring_ids(segment_ids)
+    call = _spec.validate_call(q, k, v, options, sinks=sinks, segment_ids=segment_ids)
+    result = module.ring_attend(call, q, k, v, link, layout, segment_ids)
     if sinks is None:
         return result
     out, lse = result
     out, _, lse = add_sinks(call, sinks, out, None, lse)
     return (out, lse) if return_lse else out
+
+
+def _check_ring_ids(segment_ids: object) -> None:
+    """The ring takes one array of ids (packed self-attention), not a pair."""
+    if isinstance(segment_ids, (tuple, list)):
+        msg = (
+            "ring_attend takes `segment_ids` as one integer array [..., L/P] of this "
+            "shard's ids (packed self-attention), not a pair (q_ids, kv_ids): use "
+            "ulysses_attend, or `attend` on one device, for a pair."
+        )
+        raise TypeError(msg)
 
 
 def _check_heads(hq: int, hk: int, size: int) -> None:
@@ -296,13 +321,23 @@ def _scalars(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _agree(
-    module: Any, link: Any, q: Any, k: Any, v: Any, options: dict[str, Any], layout: str
+    module: Any,
+    link: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    options: dict[str, Any],
+    layout: str,
+    *,
+    travels: dict[str, Any] | None = None,
 ) -> _options.Options:
     """torch.distributed: every rank of the group holds shards of one shape and dtype and
     passes the same options (normalised: ``causal=True`` and ``"lower_right"`` agree, as
     ``scale=None`` and ``1/sqrt(Dk)``), the same layout and the same arrays and functions
     present, checked in one exchange before anything else can raise on one rank alone:
     options that do not validate enter it too, so every rank raises, none waits.
+    Arrays that ``travels`` names go around the ring with K/V (the ring's segment ids):
+    their shapes enter the exchange too, None where absent.
     Returns the normalised options (checked once, here)."""
     invalid: Exception | None = None
     try:
@@ -315,7 +350,7 @@ def _agree(
     agreed.update({name: options.get(name) is not None for name in _GIVEN})
     agreed["layout"] = layout
     agreed["invalid options"] = None if invalid is None else str(invalid)
-    module.check_agreement(link, {"q": q, "k": k, "v": v}, agreed)
+    module.check_agreement(link, {"q": q, "k": k, "v": v, **(travels or {})}, agreed)
     if invalid is not None:  # on every rank alike: the exchange compared it
         raise invalid
     return normalised
@@ -382,7 +417,9 @@ def sharded_attend(
         The ring's layout (default ``"zigzag"``; Ulysses: ``"contiguous"``, where the
         layout changes nothing but the cost of moving data).
     **options
-        The options of :func:`ring_attend` or :func:`ulysses_attend`.
+        The options of :func:`ring_attend` or :func:`ulysses_attend`; ``segment_ids``
+        of the global sequence ``[..., L]`` in natural positions (the ring shards them
+        with q, k, v).
 
     Returns
     -------
@@ -419,7 +456,16 @@ def sharded_attend(
     )
 
 
-_RING_OPTIONS = {"causal", "window", "scale", "softcap", "return_lse", "chunk_size", "sinks"}
+_RING_OPTIONS = {
+    "causal",
+    "window",
+    "scale",
+    "softcap",
+    "return_lse",
+    "chunk_size",
+    "sinks",
+    "segment_ids",
+}
 
 
 def reorder(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:

@@ -104,9 +104,10 @@ def _per_shard(
 
 
 def _forward(
-    axis_name: Any, plan: Schedule, options: Options, q: Any, k: Any, v: Any
+    axis_name: Any, plan: Schedule, options: Options, q: Any, k: Any, v: Any, ids: Any = None
 ) -> tuple[Any, Any]:
-    """``(out, lse)`` of the local query rows, in the compute dtype."""
+    """``(out, lse)`` of the local query rows, in the compute dtype; ``ids``: the local
+    segment ids (they travel with K/V), or None."""
     xp = _xp()
     compute = _spec.compute_dtype_for(xp, q.dtype)
     qc = q.astype(compute)
@@ -114,14 +115,15 @@ def _forward(
     lse = _varying(jnp.full(q.shape[:-1], -jnp.inf, compute), q, k, v)
 
     def run(blocks: tuple[Block, ...]) -> Callable[..., Any]:
-        def step(out: Any, lse: Any, kb: Any, vb: Any) -> tuple[Any, Any]:
+        def step(out: Any, lse: Any, kb: Any, vb: Any, *kv_ids: Any) -> tuple[Any, Any]:
             kc, vc = kb.astype(compute), vb.astype(compute)
-            return _ring.forward_blocks(xp, blocks, options, out, lse, qc, kc, vc)
+            pair = (ids, kv_ids[0]) if kv_ids else None
+            return _ring.forward_blocks(xp, blocks, options, out, lse, qc, kc, vc, pair)
 
         return step
 
     size = plan.num_shards
-    held, kv = 0, (k, v)
+    held, kv = 0, (k, v) if ids is None else (k, v, ids)
     shifts = [s.shift for s in plan.steps]
     for i, step in enumerate(plan.steps):
         if step.shift != held:
@@ -145,7 +147,8 @@ def _backward(
     cotangents: tuple[Any, Any],
 ) -> tuple[Any, Any, Any]:
     xp = _xp()
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, *rest = residuals
+    ids = rest[0] if rest else None
     dout, dlse = cotangents
     compute = out.dtype
     qc = q.astype(compute)
@@ -156,14 +159,16 @@ def _backward(
     dv = _varying(jnp.zeros(v.shape, compute), q, k, v, dout)
 
     def run(blocks: tuple[Block, ...]) -> Callable[..., Any]:
-        def step(dq: Any, kb: Any, vb: Any, dk: Any, dv: Any) -> tuple[Any, Any, Any]:
+        def step(dq: Any, dk: Any, dv: Any, kb: Any, vb: Any, *kv_ids: Any) -> tuple[Any, ...]:
             kc, vc = kb.astype(compute), vb.astype(compute)
-            return _ring.backward_blocks(xp, blocks, options, (dq, dk, dv), saved, kc, vc)
+            pair = (ids, kv_ids[0]) if kv_ids else None
+            grads = (dq, dk, dv)
+            return _ring.backward_blocks(xp, blocks, options, grads, saved, kc, vc, pair)
 
         return step
 
     size = plan.num_shards
-    held, kv = 0, (k, v)
+    held, kv = 0, (k, v) if ids is None else (k, v, ids)
     for step in plan.steps:
         if step.shift != held:
             # K/V go first (they do not wait for this step's compute); their gradient
@@ -171,33 +176,37 @@ def _backward(
             kv = _shift(axis_name, size, step.shift - held, kv)
             dk, dv = _shift(axis_name, size, step.shift - held, (dk, dv))
             held = step.shift
-        dq, dk, dv = _per_shard(axis_name, step, run, dq, *kv, dk, dv)
+        dq, dk, dv = _per_shard(axis_name, step, run, dq, dk, dv, *kv)
     dk, dv = _shift(axis_name, size, -held, (dk, dv))  # home to their owners
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.lru_cache(maxsize=128)
 def _ring_function(axis_name: Any, plan: Schedule, options: Options) -> Any:
-    """The ring's ``custom_vjp`` function of ``(q, k, v) -> (out, lse)`` for one
-    configuration (cached: a repeated trace reuses it)."""
+    """The ring's ``custom_vjp`` function of ``(q, k, v, *ids) -> (out, lse)`` for one
+    configuration (cached: a repeated trace reuses it); ``ids``: the local segment ids,
+    or nothing (integers: their cotangent is None)."""
 
     @jax.custom_vjp
-    def ring(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
-        out, lse = _forward(axis_name, plan, options, q, k, v)
+    def ring(q: Any, k: Any, v: Any, *ids: Any) -> tuple[Any, Any]:
+        out, lse = _forward(axis_name, plan, options, q, k, v, *ids)
         return out.astype(q.dtype), lse
 
-    def ring_fwd(q: Any, k: Any, v: Any) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        out, lse = _forward(axis_name, plan, options, q, k, v)
-        return (out.astype(q.dtype), lse), (q, k, v, out, lse)
+    def ring_fwd(q: Any, k: Any, v: Any, *ids: Any) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
+        out, lse = _forward(axis_name, plan, options, q, k, v, *ids)
+        return (out.astype(q.dtype), lse), (q, k, v, out, lse, *ids)
 
     def ring_bwd(residuals: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
-        return _backward(axis_name, plan, options, residuals, cotangents)
+        grads = _backward(axis_name, plan, options, residuals, cotangents)
+        return (*grads, *(None for _ in residuals[5:]))
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring
 
 
-def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, axis_name: Any, layout: str) -> Any:
+def ring_attend(
+    call: _spec.Call, q: Any, k: Any, v: Any, axis_name: Any, layout: str, ids: Any = None
+) -> Any:
     """The ring on JAX arrays (checked by the caller): see
     :func:`portable_attention.parallel.ring_attend`."""
     size = axis_size(axis_name)
@@ -210,7 +219,8 @@ def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, axis_name: Any, layout
     )
     plan = schedule(size, layout, lq, lk, call.causal, call.window)
     options = call.options
-    out, lse = _ring_function(axis_name, plan, options)(q, k, v)
+    ring = _ring_function(axis_name, plan, options)
+    out, lse = ring(q, k, v) if ids is None else ring(q, k, v, ids)
     return (out, lse) if call.return_lse else out
 
 
@@ -380,19 +390,29 @@ def sharded_attend(
     static = tuple(sorted((key, _freeze(val)) for key, val in extra.items() if key not in arrays))
     seq = _seq_spec(q.ndim, -2, axis)
     placed = [_place(x, mesh, seq) for x in (q, k, v)]
-    placed += [jax.tree.map(lambda a: _place(a, mesh, P()), x) for x in arrays.values()]
+    specs = tuple(_spec_of(name, x, method, axis) for name, x in arrays.items())
+    placed += [jax.tree.map(lambda a, s=s: _place(a, mesh, s), x)
+               for x, s in zip(arrays.values(), specs, strict=True)]  # fmt: skip
     # A user's mod (and what it captures) must not outlive the call in the cache: a call
     # with one builds its function for itself, as does one with an unhashable option.
     build: Callable[..., Any] = _sharded_function
     if extra.get("mask_mod") is not None or extra.get("score_mod") is not None:
         build = _sharded_function.__wrapped__
     try:
-        function = build(mesh, axis, method, layout, static, tuple(arrays), q.ndim)
+        function = build(mesh, axis, method, layout, static, tuple(arrays), specs, q.ndim)
     except TypeError:  # an unhashable static option: build it for this call alone
         function = _sharded_function.__wrapped__(
-            mesh, axis, method, layout, static, tuple(arrays), q.ndim
+            mesh, axis, method, layout, static, tuple(arrays), specs, q.ndim
         )
     return function(*placed)
+
+
+def _spec_of(name: str, x: Any, method: str, axis: Any) -> P:
+    """How ``sharded_attend`` hands an array option to the shards: the ring's segment ids
+    sharded with the sequence (each shard holds its positions' ids), all else whole."""
+    if method == "ring" and name == "segment_ids" and hasattr(x, "ndim"):
+        return _seq_spec(x.ndim, -1, axis)
+    return P()
 
 
 @functools.lru_cache(maxsize=64)
@@ -403,6 +423,7 @@ def _sharded_function(
     layout: str,
     static: tuple[tuple[str, Any], ...],
     array_names: tuple[str, ...],
+    array_specs: tuple[P, ...],
     ndim: int,
 ) -> Any:
     from portable_attention.parallel import ring_attend, ulysses_attend
@@ -414,6 +435,8 @@ def _sharded_function(
     def body(q: Any, k: Any, v: Any, *given: Any) -> Any:
         q, k, v = (to_layout(x, axis, size, layout) for x in (q, k, v))
         arrays = dict(zip(array_names, given, strict=True))
+        if method == "ring" and "segment_ids" in arrays:
+            arrays["segment_ids"] = to_layout(arrays["segment_ids"], axis, size, layout, axis=-1)
         result = local(q, k, v, axis_name=axis, layout=layout, **options, **arrays)
         if not isinstance(result, tuple):
             return from_layout(result, axis, size, layout)
@@ -431,7 +454,7 @@ def _sharded_function(
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(seq, seq, seq, *(P() for _ in array_names)),
+        in_specs=(seq, seq, seq, *array_specs),
         out_specs=outs[0] if len(outs) == 1 else tuple(outs),
         check_vma=False,
     )

@@ -25,18 +25,44 @@ import dataclasses
 from typing import Any
 
 from portable_attention._attention import run_backward, run_call
+from portable_attention._mods import Mods
 from portable_attention._options import Options
 from portable_attention._spec import Call, describe
+from portable_attention.backends import adapter
 from portable_attention.parallel._merge import add_rows, merge_rows
 from portable_attention.parallel._schedule import Block
 
 
-def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any) -> Call:
+def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: Any) -> Call:
     """The call of one block: the ring's options with the block's band and ``lse``, on
-    slices of the arrays the ring's call validated (nothing checked again)."""
+    slices of the arrays the ring's call validated (nothing checked again). With segment
+    ids, ``mods`` holds the ids of the block's rows and of its columns, cut from the one
+    array of the packed sequence ("slices"): the block's band is the global band, which
+    is exact for one array of ids, and a row may find no key of its id in the block."""
     causal = "lower_right" if block.causal else None
     changes = dataclasses.replace(options, causal=causal, window=block.window, return_lse=True)
-    return describe(changes, q, k, v)
+    return describe(changes, q, k, v, segments=None if mods is None else "slices")
+
+
+def _block_mods(ids: tuple[Any, Any] | None, block: Block) -> Mods | None:
+    """The segment ids of a block's rows and of its columns (None without ids)."""
+    if ids is None:
+        return None
+    return Mods(q_ids=_last(ids[0], block.rows), kv_ids=_last(ids[1], block.cols))
+
+
+def _adds_nothing(xp: Any, call: Call, mods: Mods | None) -> bool:
+    """Whether no query of a block shares a segment id with any of its keys, read on the
+    host where the ids are not traced (eager torch): the block adds nothing and is not
+    computed. Traced ids (JAX inside ``shard_map``) are not read: the block runs, its
+    scores masked."""
+    if mods is None:
+        return False
+    backend = adapter(call.backend)
+    if backend.traced(mods.q_ids) or backend.traced(mods.kv_ids):
+        return False
+    pair = xp.expand_dims(mods.q_ids, axis=-1) == xp.expand_dims(mods.kv_ids, axis=-2)
+    return backend.host_bool(xp.any(pair)) is False
 
 
 def _rows(x: Any, span: tuple[int, int]) -> Any:
@@ -46,7 +72,8 @@ def _rows(x: Any, span: tuple[int, int]) -> Any:
     return x[..., span[0] : span[1], :]
 
 
-def _lse_rows(x: Any, span: tuple[int, int]) -> Any:
+def _last(x: Any, span: tuple[int, int]) -> Any:
+    """Entries ``span`` along the last axis (lse's rows, ids' positions)."""
     if span == (0, x.shape[-1]):
         return x
     return x[..., span[0] : span[1]]
@@ -61,12 +88,18 @@ def forward_blocks(
     q: Any,
     k: Any,
     v: Any,
+    ids: tuple[Any, Any] | None = None,
 ) -> tuple[Any, Any]:
     """The running ``(out, lse)`` of the local query rows after ``blocks`` against the
-    visiting ``k``, ``v`` (all in the compute dtype)."""
+    visiting ``k``, ``v`` (all in the compute dtype); ``ids``: the segment ids of the
+    local queries and of the visiting keys, or None."""
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
-        part, part_lse = run_call(_block_call(options, block, qb, kb, vb), qb, kb, vb)
+        mods = _block_mods(ids, block)
+        call = _block_call(options, block, qb, kb, vb, mods)
+        if _adds_nothing(xp, call, mods):
+            continue
+        part, part_lse = run_call(call, qb, kb, vb, mods=mods)
         out, lse = merge_rows(xp, out, lse, block.rows, part, part_lse)
     return out, lse
 
@@ -79,25 +112,32 @@ def backward_blocks(
     saved: tuple[Any, Any, Any, Any, Any],
     k: Any,
     v: Any,
+    ids: tuple[Any, Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` after the gradients of ``blocks`` are added: ``dq`` of the local
     rows, ``dk``/``dv`` of the visiting shard (all in the compute dtype). ``saved``:
     ``(dout, q, out, lse, dlse)`` of the local rows, ``out`` and ``lse`` the global ones
     (every shard's keys merged); ``dlse`` the cotangent of the returned lse, or None.
+    ``ids`` as :func:`forward_blocks`'.
     """
     dq, dk, dv = grads
     dout, q, out, lse, dlse = saved
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
+        mods = _block_mods(ids, block)
+        call = _block_call(options, block, qb, kb, vb, mods)
+        if _adds_nothing(xp, call, mods):
+            continue
         g = run_backward(
-            _block_call(options, block, qb, kb, vb),
+            call,
             _rows(dout, block.rows),
             qb,
             kb,
             vb,
             _rows(out, block.rows),
-            _lse_rows(lse, block.rows),
-            dlse=None if dlse is None else _lse_rows(dlse, block.rows),
+            _last(lse, block.rows),
+            dlse=None if dlse is None else _last(dlse, block.rows),
+            mods=mods,
         )
         dq = add_rows(xp, dq, block.rows, g.dq)
         dk = add_rows(xp, dk, block.cols, g.dk)

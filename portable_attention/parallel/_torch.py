@@ -94,7 +94,7 @@ def check_agreement(group: Any, arrays: dict[str, Any], options: dict[str, objec
     the global result would be silently wrong. Where they differ, every rank learns it
     from the same all-reduce and raises (after one gather of what each rank has, to name
     the ranks)."""
-    first = next(iter(arrays.values()))
+    first = arrays["q"]
     slots = [n for x in arrays.values() for n in _array_slots(x)]
     slots += [n for value in options.values() for n in _option_slots(value)]
     mine = torch.tensor([*slots, *(-n for n in slots)], dtype=torch.int64, device=first.device)
@@ -102,7 +102,9 @@ def check_agreement(group: Any, arrays: dict[str, Any], options: dict[str, objec
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)  # max, and -min, per slot
     if torch.equal(seen, mine):
         return
-    described = {name: f"{tuple(x.shape)} {x.dtype}" for name, x in arrays.items()}
+    described = {
+        name: "None" if x is None else f"{tuple(x.shape)} {x.dtype}" for name, x in arrays.items()
+    }
     described.update({name: repr(value) for name, value in options.items()})
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, described, group=group)
@@ -129,7 +131,9 @@ def check_agreement(group: Any, arrays: dict[str, Any], options: dict[str, objec
 
 def _array_slots(x: Any) -> list[int]:
     """A shard's rank, dtype and first 8 dims (-1 past its rank; the product of the rest
-    in the last), a fixed count of int64 slots whatever the array."""
+    in the last), a fixed count of int64 slots whatever the array (all -2: None)."""
+    if x is None:
+        return [-2] * 10
     dims = list(x.shape)
     if len(dims) > 8:
         dims = [*dims[:7], math.prod(dims[7:])]
@@ -220,13 +224,13 @@ class _Done(_Pending):
         return self.tensors
 
 
-def _forward(ring: Ring, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, Any]:
     xp = _xp()
     compute = _spec.compute_dtype_for(xp, q.dtype)
     qc = q.to(compute)
     out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute, device=q.device)
     lse = torch.full(q.shape[:-1], -torch.inf, dtype=compute, device=q.device)
-    held, kv = 0, [k, v]
+    held, kv = 0, [k, v] if ids is None else [k, v, ids]  # the ids travel with their K/V
     steps = ring.plan.steps
     pending = send(ring, kv, steps[0].shift) if steps and steps[0].shift else None
     for i, step in enumerate(steps):
@@ -237,13 +241,15 @@ def _forward(ring: Ring, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         blocks = step.blocks[ring.rank]
         if blocks:
             kc, vc = kv[0].to(compute), kv[1].to(compute)
-            out, lse = _ring.forward_blocks(xp, blocks, ring.options, out, lse, qc, kc, vc)
+            pair = None if ids is None else (ids, kv[2])
+            out, lse = _ring.forward_blocks(xp, blocks, ring.options, out, lse, qc, kc, vc, pair)
     return out, lse
 
 
 def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[Any, Any, Any]:
     xp = _xp()
-    q, k, v, out, lse = saved
+    q, k, v, out, lse, *rest = saved
+    ids = rest[0] if rest else None
     compute = out.dtype
     if dout is None:
         dout = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute, device=q.device)
@@ -252,7 +258,7 @@ def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[A
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     dk = torch.zeros(k.shape, dtype=compute, device=q.device)
     dv = torch.zeros(v.shape, dtype=compute, device=q.device)
-    held, kv, acc = 0, [k, v], [dk, dv]
+    held, kv, acc = 0, [k, v] if ids is None else [k, v, ids], [dk, dv]
     steps = ring.plan.steps
     for i, step in enumerate(steps):
         if step.shift != held:  # the first step, where it is not the own shard
@@ -265,7 +271,8 @@ def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[A
         if blocks:
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             grads = (dq, acc[0], acc[1])
-            dq, dk, dv = _ring.backward_blocks(xp, blocks, ring.options, grads, local, kc, vc)
+            pair = None if ids is None else (ids, kv[2])
+            dq, dk, dv = _ring.backward_blocks(xp, blocks, ring.options, grads, local, kc, vc, pair)
             acc = [dk, dv]
         if upcoming is not None and after is not None:  # the accumulators follow their K/V
             acc = send(ring, acc, after - held, tag=ACC_TAG).wait()
@@ -278,10 +285,10 @@ class _RingFunction(torch.autograd.Function):
     """The ring as one autograd node: saves ``q, k, v, out, lse`` of the local shard."""
 
     @staticmethod
-    def forward(ctx: Any, q: Any, k: Any, v: Any, ring: Ring) -> tuple[Any, Any]:
-        out, lse = _forward(ring, q, k, v)
+    def forward(ctx: Any, q: Any, k: Any, v: Any, ring: Ring, ids: Any) -> tuple[Any, Any]:
+        out, lse = _forward(ring, q, k, v, ids)
         ctx.ring = ring
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if ids is None else (ids,)))
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse
 
@@ -289,10 +296,12 @@ class _RingFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
         dq, dk, dv = _backward(ctx.ring, ctx.saved_tensors, dout, dlse)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
-def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout: str) -> Any:
+def ring_attend(
+    call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout: str, ids: Any = None
+) -> Any:
     """The ring on torch tensors (checked by the caller, ``group`` resolved and the ranks
     agreeing): see :func:`portable_attention.parallel.ring_attend`."""
     resolved = group
@@ -306,7 +315,7 @@ def ring_attend(call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout:
     )
     plan = schedule(size, layout, lq, lk, call.causal, call.window)
     ring = Ring(group=resolved, rank=rank, size=size, plan=plan, options=call.options)
-    out, lse = _RingFunction.apply(q, k, v, ring)
+    out, lse = _RingFunction.apply(q, k, v, ring, ids)
     return (out, lse) if call.return_lse else out
 
 
