@@ -103,6 +103,8 @@ def _check_against_one_device(
 
     local = [_shard(x.detach(), world, rank, layout).requires_grad_() for x in (q, k, v)]
     fn = parallel.ring_attend if method == "ring" else parallel.ulysses_attend
+    if method == "ring" and options.get("segment_ids") is not None:  # the shard's own ids
+        options = {**options, "segment_ids": _shard(ids, world, rank, layout, axis=-1)}
     out, lse = fn(*local, layout=layout, return_lse=True, **options)
     out_cot = _shard(dout, world, rank, layout)
     lse_cot = _shard(dlse, world, rank, layout, axis=-1)
@@ -144,6 +146,11 @@ RING_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "empty-rows": ({"causal": True}, {"lengths": (64, 32)}),
     "upper-left": ({"causal": "upper_left", "window": (9, None)}, {"lengths": (32, 64)}),
     "sinks": ({"causal": True, "sinks": "random"}, {"heads": (4, 1)}),
+    "packed": ({"causal": True, "segment_ids": "packed"}, {}),
+    "packed-window-sinks": (
+        {"window": (3, 7), "segment_ids": "packed", "sinks": "random"},
+        {"heads": (4, 1)},
+    ),
 }
 
 
@@ -307,6 +314,18 @@ def _errors(ctx: dict[str, Any]) -> None:
         ValueError,
         r"`scale`: rank 0 0.5, rank 1 0.25",
         lambda: parallel.ulysses_attend(x, x, x, scale=0.5 if rank == 0 else 0.25),
+    )
+    # Segment ids on one rank only (they travel with K/V): every rank raises.
+    ids = torch.zeros(8, dtype=torch.int64)
+    _expect(
+        ValueError,
+        r"`segment_ids`: rank 0 False, rank 1 True",
+        lambda: parallel.ring_attend(x, x, x, segment_ids=None if rank == 0 else ids),
+    )
+    _expect(
+        TypeError,
+        r"one integer array.*not a pair",
+        lambda: parallel.ring_attend(x, x, x, segment_ids=(ids, ids)),
     )
     # An option that one rank alone gets wrong: every rank raises, none waits for it.
     _expect(

@@ -171,6 +171,7 @@ def ring_attend(
     given["segment_ids"] = segment_ids
     _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
     _where(backend, axis_name, group, "ring_attend")
+    _check_ring_ids(segment_ids)
     module = _framework(backend, "ring_attend")
     if backend == "torch":
         link = module.resolve_group(group, q)
@@ -179,7 +180,6 @@ def ring_attend(
         link, options = axis_name, _options.options(**_scalars(given))
     if sinks is not None:  # the sinks merge after the ring, from its lse
         options = dataclasses.replace(options, return_lse=True)
-    _check_ring_ids(segment_ids)
     call = _spec.validate_call(q, k, v, options, sinks=sinks, segment_ids=segment_ids)
     result = module.ring_attend(call, q, k, v, link, layout, segment_ids)
     if sinks is None:
