@@ -178,6 +178,81 @@ def test_reorder_errors() -> None:
         parallel.reorder([1.0, 2.0], 1, "zigzag", axis=0)
 
 
+def _extract_local(x: np.ndarray, bounds: list[int], rank: int, shards: int) -> np.ndarray:
+    """Rank ``rank``'s rows of ``x`` (along axis 0) in ring-flash-attention's varlen
+    zigzag convention, written from its description: each document cut into ``2P``
+    chunks, chunks ``rank`` and ``2P - 1 - rank`` of each document, document after
+    document."""
+    parts = []
+    for start, stop in itertools.pairwise(bounds):
+        chunks = np.split(x[start:stop], 2 * shards)
+        parts += [chunks[rank], chunks[2 * shards - 1 - rank]]
+    return np.concatenate(parts)
+
+
+def _documents(key: object, shards: int, count: int, length: int) -> list[int]:
+    """``cu_seqlens`` of ``count`` documents of random lengths in multiples of ``2P``."""
+    rng = rng_for("documents", key)
+    unit = 2 * shards
+    sizes = rng.multinomial(length // unit - count, np.ones(count) / count) + 1
+    return [0, *np.cumsum(sizes * unit).tolist()]
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 8])
+def test_document_zigzag_gives_each_shard_its_positions(backend: Backend, shards: int) -> None:
+    """reorder(..., "document_zigzag") from cu_seqlens or segment_ids: shard r's rows are
+    ring-flash-attention's per-rank positions; restore inverts it; one permutation per
+    batch entry when the ids differ by row."""
+    length = 16 * shards
+    rows = [_documents((shards, row), shards, 3 + row, length) for row in range(2)]
+    x = backend.asarray(np.arange(2 * 3 * length).reshape(2, 3, length), "float32")
+    ids = np.stack([np.searchsorted(b[1:], np.arange(length), side="right") for b in rows])
+    by_ids = parallel.reorder(x, shards, "document_zigzag", axis=-1, segment_ids=backend.asarray(ids))
+    by_bounds = parallel.reorder(x[:1, ...], shards, "document_zigzag", axis=-1, cu_seqlens=rows[0])
+    assert type(by_ids) is type(x) and tuple(by_ids.shape) == tuple(x.shape)
+    got, first = backend.to_numpy(by_ids), backend.to_numpy(by_bounds)
+    natural = np.arange(length)
+    for row, bounds in enumerate(rows):
+        want = np.concatenate([_extract_local(natural, bounds, r, shards) for r in range(shards)])
+        np.testing.assert_array_equal(got[row, 1] - got[row, 1, 0], want)
+    np.testing.assert_array_equal(first, got[:1])
+    back = parallel.restore(by_ids, shards, "document_zigzag", axis=-1, segment_ids=backend.asarray(ids))
+    assert_same(back, x)
+
+
+def test_document_zigzag_under_jit() -> None:
+    """The permutation is computed from the ids with array-API calls: it traces."""
+    jax = pytest.importorskip("jax")
+    if "jax" not in BY_NAME:
+        pytest.skip("the jax backend is not selected")
+    bounds = _documents("jit", 4, 3, 64)
+    ids = np.searchsorted(bounds[1:], np.arange(64), side="right")
+    x = np.arange(64.0)
+    want = parallel.reorder(x, 4, "document_zigzag", axis=-1, segment_ids=ids)
+    fn = jax.jit(lambda a, i: parallel.reorder(a, 4, "document_zigzag", axis=-1, segment_ids=i))
+    np.testing.assert_array_equal(np.asarray(fn(jax.numpy.asarray(x), jax.numpy.asarray(ids))), want)
+
+
+def test_document_zigzag_errors() -> None:
+    x = np.zeros((2, 16, 4))
+    with pytest.raises(ValueError, match=r"id 0 at positions \[0, 3\) has length 3.*multiple of 4"):
+        parallel.reorder(x, 2, "document_zigzag", segment_ids=np.repeat([0, 1], [3, 13]))
+    with pytest.raises(ValueError, match="id 0 names 2 runs"):
+        parallel.reorder(x, 2, "document_zigzag", segment_ids=np.repeat([0, 1, 0], [4, 8, 4]))
+    with pytest.raises(ValueError, match="exactly one of them"):
+        parallel.reorder(x, 2, "document_zigzag")
+    with pytest.raises(ValueError, match="exactly one of them"):
+        parallel.restore(x, 2, "document_zigzag", segment_ids=np.zeros(16), cu_seqlens=[0, 16])
+    with pytest.raises(ValueError, match="`cu_seqlens` must rise from 0 to"):
+        parallel.reorder(x, 2, "document_zigzag", cu_seqlens=[0, 4, 12])
+    with pytest.raises(ValueError, match=r"do not fit `x` of shape \(2, 16, 4\)"):
+        parallel.reorder(x, 2, "document_zigzag", segment_ids=np.zeros((3, 16), dtype=int))
+    with pytest.raises(TypeError, match="go with layout 'document_zigzag'"):
+        parallel.reorder(x, 2, "zigzag", cu_seqlens=[0, 16])
+    with pytest.raises(ValueError, match="'document_zigzag' is reorder's and ring_attend's"):
+        parallel.schedule(2, "document_zigzag", 16)
+
+
 # -- the merge -------------------------------------------------------------------------------
 
 

@@ -190,6 +190,89 @@ def test_ring_with_segment_ids_matches_one_device(shards: int, layout: str, name
     _check_ring(shards, layout, {**options, "segment_ids": ids}, **shapes)
 
 
+def _document_ids(key: object, shards: int, length: int, documents: int) -> np.ndarray:
+    """``[2, length]`` ids of ``documents`` packed documents per row, each of a random
+    length in multiples of ``2P`` (the per-document zigzag layout's condition)."""
+    rng = rng_for("documents", key)
+    unit = 2 * shards
+    rows = []
+    for _ in range(2):
+        sizes = rng.multinomial(length // unit - documents, np.ones(documents) / documents) + 1
+        rows.append(np.repeat(np.arange(documents), sizes * unit))
+    return np.stack(rows).astype(np.int32)
+
+
+DOCUMENTS = {
+    "causal": ({"causal": True}, (4, 2)),
+    "causal-softcap-mqa": ({"causal": True, "softcap": 3.0}, (4, 1)),
+    "plain": ({}, (4, 2)),
+}
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", DOCUMENTS)
+def test_ring_in_document_zigzag_matches_one_device(shards: int, name: str) -> None:
+    """The per-document zigzag layout: global arrays reordered by their ids, a user's own
+    shard_map around ``ring_attend(layout="document_zigzag")``, restored: out, lse and
+    the gradients of q, k, v equal one device's ``attend(segment_ids=...)`` to 1e-12 in
+    float64 (different packings in the two batch rows)."""
+    options, (hq, hk) = DOCUMENTS[name]
+    mesh = mesh_of(shards)
+    length = 32 * shards
+    ids = _document_ids((shards, name), shards, length, 4)
+    arrays = _inputs(("documents", shards, name), jnp.float64, hq, hk, length, length)
+    layout = {"num_shards": shards, "layout": "document_zigzag", "segment_ids": ids}
+    moved = [parallel.reorder(x, **layout, axis=-1 if x.ndim == 3 else -2) for x in arrays]
+    local_ids = parallel.reorder(ids, **layout, axis=-1)
+    ids_spec = P(None, "s")
+    placed = [
+        jax.device_put(x, NamedSharding(mesh, SEQ if x.ndim == 4 else P(None, None, "s")))
+        for x in moved
+    ]
+    placed_ids = jax.device_put(local_ids, NamedSharding(mesh, ids_spec))
+
+    def local(q: Any, k: Any, v: Any, i: Any) -> Any:
+        return parallel.ring_attend(
+            q, k, v, axis_name="s", layout="document_zigzag", segment_ids=i, return_lse=True,
+            **options,
+        )  # fmt: skip
+
+    ring = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(SEQ, SEQ, SEQ, ids_spec),
+        out_specs=(SEQ, P(None, None, "s")),
+        check_vma=False,
+    )
+    with jax.set_mesh(mesh):
+        out, lse, grads = _with_vjp(lambda q, k, v: ring(q, k, v, placed_ids))(*placed)
+    back = (
+        parallel.restore(np.asarray(out), **layout),
+        parallel.restore(np.asarray(lse), **layout, axis=-1),
+        tuple(parallel.restore(np.asarray(g), **layout) for g in grads),
+    )
+    want = _reference({**options, "segment_ids": jnp.asarray(ids)})(*arrays)
+    _compare(back, want, "float64")
+
+
+def test_document_zigzag_errors_on_the_ring() -> None:
+    mesh = mesh_of(2)
+    x = jnp.zeros((1, 2, 16, 4))
+    ids = jnp.asarray(np.repeat([0, 1], [8, 8]), dtype=jnp.int32)
+    with pytest.raises(ValueError, match="takes `segment_ids`.*and no `window`"):
+        parallel.ring_attend(x, x, x, axis_name="s", layout="document_zigzag", causal=True)
+    with pytest.raises(ValueError, match="takes `segment_ids`.*and no `window`"):
+        parallel.ring_attend(
+            x, x, x, axis_name="s", layout="document_zigzag", segment_ids=ids, window=(4, 0)
+        )
+    # A shard's ids read on the host (not traced): each document's two chunks.
+    odd = jnp.asarray(np.repeat([0, 1], [7, 9]), dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"id 0 at positions \[0, 7\) has length 7"):
+        parallel.ring_attend(x, x, x, axis_name="s", layout="document_zigzag", segment_ids=odd)
+    with pytest.raises(ValueError, match="'document_zigzag' is reorder's and ring_attend's"):
+        parallel.sharded_attend(x, x, x, mesh=mesh, axis="s", layout="document_zigzag")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ring_low_precision(dtype: str) -> None:
     _check_ring(8, "zigzag", {"causal": True}, dtype=dtype, lengths=(128, 128))

@@ -48,10 +48,13 @@ def _tensors(name: str, dtype: Any, *shapes: tuple[int, ...]) -> list[Any]:
     return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 
-def _shard(x: Any, world: int, rank: int, layout: str, axis: int = -2) -> Any:
+def _shard(x: Any, world: int, rank: int, layout: str, axis: int = -2, ids: Any = None) -> Any:
+    """This rank's slice of ``x`` in ``layout`` (``ids``: the global segment ids, which
+    the per-document layout reads)."""
     from portable_attention import parallel
 
-    return parallel.reorder(x, world, layout, axis=axis).chunk(world, dim=axis)[rank]
+    documents = {"segment_ids": ids} if layout == "document_zigzag" else {}
+    return parallel.reorder(x, world, layout, axis=axis, **documents).chunk(world, dim=axis)[rank]
 
 
 def _close(name: str, got: Any, want: Any, tol: tuple[float, float], scale: float = 1.0) -> None:
@@ -91,8 +94,12 @@ def _check_against_one_device(
     if options.get("sinks") == "random":  # the same sinks on every rank, one per head
         (sinks,) = _tensors(case + "-sinks", dt, (hq,))
         options = {**options, "sinks": sinks}
+    ids = None
     if options.get("segment_ids") == "packed":  # whole-sequence ids, as Ulysses takes them
         ids = torch.repeat_interleave(torch.arange(6), torch.tensor([5, 1, 20, 0, 14, 24]))
+    if options.get("segment_ids") == "documents":  # lengths in multiples of 2 * 4 shards
+        ids = torch.repeat_interleave(torch.arange(4), torch.tensor([8, 24, 16, 16]))
+    if ids is not None:
         options = {**options, "segment_ids": ids}
     for x in (q, k, v):
         x.requires_grad_()
@@ -101,13 +108,16 @@ def _check_against_one_device(
     loss = (ref * dout).sum() + torch.where(empty, 0.0, ref_lse * dlse).sum()
     ref_grads = torch.autograd.grad(loss, (q, k, v))
 
-    local = [_shard(x.detach(), world, rank, layout).requires_grad_() for x in (q, k, v)]
+    def shard(x: Any, axis: int = -2) -> Any:
+        return _shard(x, world, rank, layout, axis, ids)
+
+    local = [shard(x.detach()).requires_grad_() for x in (q, k, v)]
     fn = parallel.ring_attend if method == "ring" else parallel.ulysses_attend
     if method == "ring" and options.get("segment_ids") is not None:  # the shard's own ids
-        options = {**options, "segment_ids": _shard(ids, world, rank, layout, axis=-1)}
+        options = {**options, "segment_ids": shard(ids, axis=-1)}
     out, lse = fn(*local, layout=layout, return_lse=True, **options)
-    out_cot = _shard(dout, world, rank, layout)
-    lse_cot = _shard(dlse, world, rank, layout, axis=-1)
+    out_cot = shard(dout)
+    lse_cot = shard(dlse, axis=-1)
     local_empty = torch.isneginf(lse)
     if transposed_gradient:  # the incoming gradient is a non-contiguous view
         loss = (out.mT * out_cot.mT.contiguous()).sum()
@@ -119,21 +129,21 @@ def _check_against_one_device(
     tol = ctx["tolerances"][dtype]
     lse_tol = tol if dtype == "float64" else (1e-4, 1e-4)
     assert out.dtype == dt and lse.dtype == ref_lse.dtype
-    want_empty = _shard(empty, world, rank, layout, axis=-1)
+    want_empty = shard(empty, axis=-1)
     assert torch.equal(local_empty, want_empty), "-inf rows of lse"
     assert torch.all(out[local_empty] == 0), "rows with no key are not 0"
-    _close("out", out, _shard(ref, world, rank, layout), tol)
+    _close("out", out, shard(ref), tol)
     _close(
         "lse",
         lse[~local_empty],
-        _shard(ref_lse, world, rank, layout, axis=-1)[~local_empty],
+        shard(ref_lse, axis=-1)[~local_empty],
         lse_tol,
     )
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         assert g.dtype == dt, name
         assert torch.isfinite(g).all(), name
         scale = 1.0 if dtype == "float64" else max(1.0, float(r.abs().max()))
-        _close(name, g, _shard(r, world, rank, layout), tol, scale)
+        _close(name, g, shard(r), tol, scale)
 
 
 RING_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -152,6 +162,15 @@ RING_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"heads": (4, 1)},
     ),
 }
+#: The per-document zigzag layout: causal document masks, with and without sinks.
+DOCUMENT_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "documents": ({"causal": True, "segment_ids": "documents"}, {}),
+    "documents-sinks-mqa": (
+        {"causal": True, "segment_ids": "documents", "sinks": "random", "softcap": 3.0},
+        {"heads": (4, 1)},
+    ),
+    "documents-noncausal": ({"segment_ids": "documents"}, {}),
+}
 
 
 def _value_cases() -> dict[str, Callable[[dict[str, Any]], None]]:
@@ -162,6 +181,11 @@ def _value_cases() -> dict[str, Callable[[dict[str, Any]], None]]:
             cases[case] = lambda ctx, c=case, lo=layout, o=options, s=shapes: (
                 _check_against_one_device(ctx, c, "ring", lo, o, **s)
             )
+    for name, (options, shapes) in DOCUMENT_OPTIONS.items():
+        case = f"ring-document_zigzag-{name}"
+        cases[case] = lambda ctx, c=case, o=options, s=shapes: (
+            _check_against_one_device(ctx, c, "ring", "document_zigzag", o, **s)
+        )
     for dtype in ("float32", "bfloat16"):
         case = f"ring-zigzag-causal-{dtype}"
         cases[case] = lambda ctx, c=case, d=dtype: _check_against_one_device(

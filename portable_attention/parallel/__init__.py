@@ -24,6 +24,7 @@ from typing import Any
 from portable_attention import _options, _spec
 from portable_attention._checks import type_name
 from portable_attention._core import add_sinks
+from portable_attention.parallel import _documents
 from portable_attention.parallel._layout import (
     LAYOUTS,
     check_layout,
@@ -165,7 +166,7 @@ def ring_attend(
     the ring once more together with its ``dk``/``dv`` accumulators; it saves only
     ``q, k, v, out, lse`` of the local shard (``O(L/P * D)`` per device).
     """
-    layout = check_layout(layout)
+    layout = check_layout(layout, documents=True)
     given = {"causal": causal, "window": window, "scale": scale, "softcap": softcap}
     given.update({"chunk_size": chunk_size, "return_lse": return_lse, "sinks": sinks})
     given["segment_ids"] = segment_ids
@@ -181,12 +182,41 @@ def ring_attend(
     if sinks is not None:  # the sinks merge after the ring, from its lse
         options = dataclasses.replace(options, return_lse=True)
     call = _spec.validate_call(q, k, v, options, sinks=sinks, segment_ids=segment_ids)
-    result = module.ring_attend(call, q, k, v, link, layout, segment_ids)
+    if layout == _documents.DOCUMENT_ZIGZAG:
+        result = _ring_of_halves(call, module, link, (q, k, v), segment_ids)
+    else:
+        result = module.ring_attend(call, q, k, v, link, layout, segment_ids)
     if sinks is None:
         return result
     out, lse = result
     out, _, lse = add_sinks(call, sinks, out, None, lse)
     return (out, lse) if return_lse else out
+
+
+def _ring_of_halves(
+    call: _spec.Call, module: Any, link: Any, qkv: tuple[Any, Any, Any], ids: Any
+) -> Any:
+    """The ring on shards in per-document zigzag order: each shard's rows regrouped into
+    its two halves (:func:`._documents.halves`), the plain zigzag ring with the ids, the
+    rows put back."""
+    if ids is None or call.window is not None:
+        msg = (
+            f"layout {_documents.DOCUMENT_ZIGZAG!r} balances packed documents under a causal "
+            "mask: it takes `segment_ids` (this shard's, in that layout) and no `window` "
+            "(use layout='zigzag' or 'contiguous' for windows)."
+        )
+        raise ValueError(msg)
+    xp = call.xp
+    _documents.check_ids(ids, qkv[0], -2)
+    _documents.check_documents(ids, None)
+    order = _documents.halves(xp, ids)
+    q, k, v = (_documents.take(xp, x, order, -2) for x in qkv)
+    result = module.ring_attend(call, q, k, v, link, "zigzag", _documents.take(xp, ids, order, -1))
+    back = _documents.inverse(xp, order)
+    if not isinstance(result, tuple):
+        return _documents.take(xp, result, back, -2)
+    out, lse = result
+    return _documents.take(xp, out, back, -2), _documents.take(xp, lse, back, -1)
 
 
 def _check_ring_ids(segment_ids: object) -> None:
@@ -468,7 +498,15 @@ _RING_OPTIONS = {
 }
 
 
-def reorder(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:
+def reorder(
+    x: Any,
+    num_shards: int,
+    layout: str,
+    axis: int = -2,
+    *,
+    segment_ids: Any = None,
+    cu_seqlens: Any = None,
+) -> Any:
     """Permute a global array so that an even split along ``axis`` gives each of
     ``num_shards`` shards the positions ``layout`` assigns it.
 
@@ -478,31 +516,72 @@ def reorder(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:
     arrays sharded along ``axis`` over a mesh axis of ``num_shards`` devices by moving
     half-shards between them (Explicit and Auto meshes).
 
+    ``"document_zigzag"`` does that to each packed document: the documents are given as
+    ``segment_ids`` ``[..., L]`` (each document one run of its own id; leading axes
+    those of ``x`` or 1, one permutation per batch entry) or as ``cu_seqlens``
+    (``[0, len_0, len_0 + len_1, ..., L]``, one packing for the whole batch); each is cut
+    into ``2P`` chunks and shard ``r`` gets, document after document, chunks ``r`` and
+    ``2P-1-r`` of each: the per-rank positions of ring-flash-attention's varlen zigzag
+    functions. A gather (``take_along_axis``), so it runs under ``jax.jit`` too; pass the
+    same ids to :func:`restore`, and reorder the ids themselves with ``axis=-1``.
+
     Raises
     ------
     ValueError
         An unknown layout, ``num_shards < 1``, or a length along ``axis`` that the layout
-        cannot split (zigzag: a multiple of ``2P``).
+        cannot split (zigzag: a multiple of ``2P``); for ``"document_zigzag"``, neither or
+        both of ``segment_ids`` and ``cu_seqlens``, ids that do not fit ``x``, or (where
+        the ids can be read) a document whose length is not a multiple of ``2P`` or an id
+        that names two runs.
     """
-    return _permute(x, num_shards, layout, axis, inverse=False)
+    return _permute(x, num_shards, layout, axis, (segment_ids, cu_seqlens), inverse=False)
 
 
-def restore(x: Any, num_shards: int, layout: str, axis: int = -2) -> Any:
-    """The inverse of :func:`reorder`: shard order back to natural positions."""
-    return _permute(x, num_shards, layout, axis, inverse=True)
+def restore(
+    x: Any,
+    num_shards: int,
+    layout: str,
+    axis: int = -2,
+    *,
+    segment_ids: Any = None,
+    cu_seqlens: Any = None,
+) -> Any:
+    """The inverse of :func:`reorder`: shard order back to natural positions (for
+    ``"document_zigzag"``, given the natural order's ``segment_ids`` or ``cu_seqlens``)."""
+    return _permute(x, num_shards, layout, axis, (segment_ids, cu_seqlens), inverse=True)
 
 
-def _permute(x: Any, num_shards: int, layout: str, axis: int, *, inverse: bool) -> Any:
+def _permute(
+    x: Any, num_shards: int, layout: str, axis: int, documents: tuple[Any, Any], *, inverse: bool
+) -> Any:
     if not hasattr(x, "shape") or not hasattr(x, "ndim"):
         msg = f"`x` must be an array, got {type_name(x)}."
         raise TypeError(msg)
     shards, name, ax = prepare(x, num_shards, layout, axis)
     xp, backend, _device = _spec.check_arrays(x=x)
+    if name == _documents.DOCUMENT_ZIGZAG:
+        return _permute_documents(xp, x, shards, ax, documents, inverse=inverse)
+    if documents != (None, None):
+        msg = f"`segment_ids` and `cu_seqlens` go with layout {_documents.DOCUMENT_ZIGZAG!r}."
+        raise TypeError(msg)
     if backend == "jax" and name != "contiguous" and shards > 1:
         moved = _framework("jax", "reorder").permute_sharded(x, shards, name, ax, inverse=inverse)
         if moved is not None:
             return moved
     return permute(xp, x, shards, name, ax, inverse=inverse)
+
+
+def _permute_documents(
+    xp: Any, x: Any, shards: int, axis: int, documents: tuple[Any, Any], *, inverse: bool
+) -> Any:
+    """:func:`reorder` / :func:`restore` of the per-document zigzag layout."""
+    ids = _documents.ids_of(xp, x, int(x.shape[axis]), *documents)
+    _documents.check_ids(ids, x, axis)
+    _documents.check_documents(ids, shards)
+    order = _documents.order(xp, ids, shards)
+    if inverse:
+        order = _documents.inverse(xp, order)
+    return _documents.take(xp, x, order, axis)
 
 
 def schedule(

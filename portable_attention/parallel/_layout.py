@@ -7,6 +7,8 @@ A layout splits a sequence of length ``L`` over ``P`` shards of ``L / P`` positi
   chunks ``r`` and ``2P - 1 - r`` (in that order), so under a causal mask every shard has
   one early and one late chunk and the ring's work is balanced (the dual-chunk split of
   ring-flash-attention and Megatron).
+- ``"document_zigzag"``: the zigzag of each packed document, from its segment ids (see
+  :mod:`._documents`).
 
 :func:`reorder` permutes a global array so that an even split along the sequence axis
 gives each shard its layout's positions; :func:`restore` is its inverse. Both are
@@ -19,14 +21,19 @@ from __future__ import annotations
 from typing import Any
 
 from portable_attention._checks import as_int, type_name
+from portable_attention.parallel._documents import DOCUMENT_ZIGZAG
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def check_layout(layout: object) -> str:
-    """``"contiguous"`` or ``"zigzag"``, else a ValueError naming both."""
-    if layout not in LAYOUTS:
-        msg = f"`layout` must be 'contiguous' or 'zigzag', got {layout!r}."
+def check_layout(layout: object, *, documents: bool = False) -> str:
+    """``"contiguous"`` or ``"zigzag"`` (or, with ``documents``, ``"document_zigzag"``),
+    else a ValueError naming them."""
+    known = (*LAYOUTS, DOCUMENT_ZIGZAG) if documents else LAYOUTS
+    if layout not in known:
+        names = ", ".join(repr(name) for name in known)
+        more = "" if documents else f" ({DOCUMENT_ZIGZAG!r} is reorder's and ring_attend's)"
+        msg = f"`layout` must be one of {names}{more}, got {layout!r}."
         raise ValueError(msg)
     return str(layout)
 
@@ -43,8 +50,8 @@ def check_shards(num_shards: object) -> int:
 
 
 def pieces(layout: str) -> int:
-    """Chunks per shard: 1 (contiguous) or 2 (zigzag)."""
-    return 2 if layout == "zigzag" else 1
+    """Chunks per shard: 1 (contiguous) or 2 (zigzag; per document for document_zigzag)."""
+    return 1 if layout == "contiguous" else 2
 
 
 def check_length(length: int, num_shards: int, layout: str, *, name: str = "the sequence") -> None:
@@ -55,13 +62,13 @@ def check_length(length: int, num_shards: int, layout: str, *, name: str = "the 
         fix = (
             f"pad it to a multiple of {parts} (with a mask or window that hides the padding) "
             "or use layout='contiguous'"
-            if layout == "zigzag"
+            if layout != "contiguous"
             else f"pad it to a multiple of {parts}"
         )
         msg = (
             f"{name} has length {length}, which layout {layout!r} cannot split over "
             f"{num_shards} shards: it needs a multiple of {parts} "
-            f"({'2 chunks' if layout == 'zigzag' else '1 chunk'} per shard); {fix}."
+            f"({'1 chunk' if layout == 'contiguous' else '2 chunks'} per shard); {fix}."
         )
         raise ValueError(msg)
 
@@ -120,7 +127,7 @@ def permute(xp: Any, x: Any, num_shards: int, layout: str, axis: int, *, inverse
 def prepare(x: Any, num_shards: object, layout: object, axis: object) -> tuple[int, str, int]:
     """Check the arguments of :func:`reorder` / :func:`restore`: ``(P, layout, axis)``."""
     shards = check_shards(num_shards)
-    name = check_layout(layout)
+    name = check_layout(layout, documents=True)
     ax = _axis(x, axis)
     check_length(
         int(x.shape[ax]), shards, name, name=f"`x` of shape {tuple(x.shape)} along axis {ax}"
