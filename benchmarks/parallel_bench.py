@@ -8,6 +8,9 @@ Prints, in one run:
 - ``schedule``: the causal load balance of the ring's schedule (the sum over steps of
   the busiest shard's kept scores over the sum of the mean; 1.0 is perfect), for both
   layouts, with the K/V transfers per forward pass.
+- ``packing``: 16 packed documents of random lengths in L = 65,536 over 8 shards, causal
+  document mask: per layout (contiguous, zigzag, document_zigzag), the largest shard's
+  kept scores and kept score blocks (512 and 128 square) over the mean.
 - ``jax``: 8 simulated JAX devices (``--xla_force_host_platform_device_count=8``, set
   here before JAX is imported): forward and forward+backward time of each method and
   layout against ``jax.jit`` of single-device ``attend`` on the same arrays (the same
@@ -16,7 +19,9 @@ Prints, in one run:
   backward: compile time, run time and temporaries per device (target: < 256 MiB).
 - ``torch``: 4 gloo ranks on 127.0.0.1 (one thread each): forward and forward+backward
   time per step (the slowest rank's) against single-process ``attend`` on the whole
-  sequence, and each rank's peak RSS against the single process's.
+  sequence, and each rank's peak RSS against the single process's; the packed rows run
+  16 documents (``segment_ids``) in each layout, against ``attend(segment_ids=...)`` in
+  one process and the causal ring without ids (every block computed).
 
 The simulated devices share this machine's cores: a ratio is the cost of the sharded
 program with its collectives on the same CPUs, not a speed-up (that needs real devices).
@@ -93,6 +98,82 @@ def schedule_section(length: int) -> None:
     _table(
         f"Ring schedule, L = {length}: load balance (max/mean kept scores per step)",
         ["P", "layout", "mask", "max/mean", "busiest step / (L/P)^2", "steps", "K/V transfers"],
+        rows,
+    )
+
+
+def _packing(length: int, documents: int, unit: int, seed: int = 0) -> Any:
+    """Segment ids of ``documents`` packed documents of random lengths (multiples of
+    ``unit``, so that the per-document zigzag layout can cut them) filling ``length``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, length // unit), documents - 1, replace=False))
+    sizes = np.diff(np.concatenate([[0], cuts, [length // unit]])) * unit
+    return np.repeat(np.arange(documents), sizes)
+
+
+def _shard_rows(ids: Any, shards: int, layout: str) -> list[Any]:
+    """Each shard's natural positions in the order its ring computes them (the
+    per-document layout: its two halves, as ``ring_attend`` regroups them)."""
+    import numpy as np
+
+    from portable_attention import parallel
+    from portable_attention.parallel import _documents
+
+    documents = {"segment_ids": ids} if layout == "document_zigzag" else {}
+    natural = np.arange(ids.shape[-1])
+    rows = np.split(parallel.reorder(natural, shards, layout, axis=-1, **documents), shards)
+    if layout == "document_zigzag":
+        rows = [r[_documents.halves(np, ids[r])] for r in rows]
+    return rows
+
+
+def packing_section(length: int, documents: int, shards: int, block: int) -> None:
+    """The causal document mask's work per shard for each layout: kept scores and kept
+    ``block x block`` score blocks (a block with no kept score is skipped), the largest
+    shard's over the mean, and the blocks kept against the ring without skipping."""
+    import numpy as np
+
+    ids = _packing(length, documents, 2 * shards)
+    start = np.searchsorted(ids, ids, side="left")  # each position's document start
+    rows = []
+    for layout in ("contiguous", "zigzag", "document_zigzag"):
+        scores, blocks = [], []
+        shard_rows = _shard_rows(ids, shards, layout)
+        key_blocks = [pos[i : i + block] for pos in shard_rows for i in range(0, pos.size, block)]
+        spans = [{d: (p[ids[p] == d].min()) for d in np.unique(ids[p])} for p in key_blocks]
+        for pos in shard_rows:
+            scores.append(int(np.sum(pos - start[pos] + 1)))
+            kept = 0
+            for i in range(0, pos.size, block):
+                qb = pos[i : i + block]
+                last = {d: qb[ids[qb] == d].max() for d in np.unique(ids[qb])}
+                kept += sum(any(d in last and first <= last[d] for d, first in span.items())
+                            for span in spans)  # fmt: skip
+            blocks.append(kept)
+        total = (length // block) ** 2
+        rows.append(
+            [
+                layout,
+                f"{max(scores) / np.mean(scores):.3f}",
+                f"{max(blocks) / np.mean(blocks):.3f}",
+                max(blocks),
+                f"{sum(blocks)} / {total} ({sum(blocks) / total:.1%})",
+            ]
+        )
+    sizes = np.bincount(ids)
+    _table(
+        f"Packed causal documents over {shards} shards: {documents} documents of random lengths "
+        f"(multiples of {2 * shards}, {sizes.min()} to {sizes.max()}) in L = {length}, "
+        f"{block} x {block} blocks",
+        [
+            "layout",
+            "kept scores max/mean",
+            "kept blocks max/mean",
+            "busiest shard's blocks",
+            "blocks kept / all",
+        ],
         rows,
     )
 
@@ -215,29 +296,34 @@ def _torch_rank(
     from portable_attention import parallel
 
     length, heads, repeat = setting
-    name, layout = method.split()
+    name, layout, *packed = method.split()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     gen = torch.Generator().manual_seed(0)
-    local = [
-        parallel.reorder(torch.randn(1, heads, length, 64, generator=gen), world, layout)
-        .chunk(world, dim=-2)[rank]
-        .contiguous()
-        for _ in range(4)
-    ]
+    ids = torch.as_tensor(_packing(length, 16, 2 * world))
+    documents = {"segment_ids": ids} if layout == "document_zigzag" else {}
+
+    def shard(x: Any, axis: int = -2) -> Any:
+        moved = parallel.reorder(x, world, layout, axis=axis, **documents)
+        return moved.chunk(world, dim=axis)[rank].contiguous()
+
+    local = [shard(torch.randn(1, heads, length, 64, generator=gen)) for _ in range(4)]
+    options: dict[str, Any] = {"causal": True, "layout": layout}
+    if packed:
+        options["segment_ids"] = shard(ids, axis=-1)
     setup = _rss_mib("VmRSS")  # torch, gloo and this rank's inputs
     fn = parallel.ring_attend if name == "ring" else parallel.ulysses_attend
 
     def forward() -> None:
         with torch.no_grad():
-            fn(*local[:3], layout=layout, causal=True)
+            fn(*local[:3], **options)
         dist.barrier()
 
     def both() -> None:
         args = [x.clone().requires_grad_() for x in local[:3]]
-        o = fn(*args, layout=layout, causal=True)
+        o = fn(*args, **options)
         torch.autograd.grad(o, args, local[3])
         dist.barrier()
 
@@ -246,22 +332,25 @@ def _torch_rank(
     dist.destroy_process_group()
 
 
-def _torch_single(length: int, heads: int, repeat: int, out: Any) -> None:
+def _torch_single(length: int, heads: int, repeat: int, packed: bool, out: Any) -> None:
     import torch
 
     import portable_attention as pa
 
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, length, 64, generator=gen) for _ in range(4))
+    options: dict[str, Any] = {"causal": True}
+    if packed:  # the ranks' packing (documents in multiples of 2 * 4 ranks)
+        options["segment_ids"] = torch.as_tensor(_packing(length, 16, 8))
     setup = _rss_mib("VmRSS")
 
     def forward() -> None:
         with torch.no_grad():
-            pa.attend(q, k, v, causal=True)
+            pa.attend(q, k, v, **options)
 
     def both() -> None:
         args = [x.clone().requires_grad_() for x in (q, k, v)]
-        torch.autograd.grad(pa.attend(*args, causal=True), args, dout)
+        torch.autograd.grad(pa.attend(*args, **options), args, dout)
 
     times = (_median_time(forward, repeat), _median_time(both, repeat))
     out.put((times, (_rss_mib(), _rss_mib() - setup), torch.get_num_threads()))
@@ -274,12 +363,17 @@ def torch_section(length: int, heads: int, repeat: int, world: int = 4) -> None:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    single = ctx.Process(target=_torch_single, args=(length, heads, repeat, queue))
-    single.start()
-    (fwd1, both1), peak1, threads = queue.get()
-    single.join()
+    singles = {}
+    for packed in (False, True):
+        single = ctx.Process(target=_torch_single, args=(length, heads, repeat, packed, queue))
+        single.start()
+        singles[packed] = queue.get()
+        single.join()
+    (fwd1, both1), peak1, threads = singles[False]
     runs = {}
-    for method in ("ring zigzag", "ring contiguous", "ulysses contiguous"):
+    methods = ["ring zigzag", "ring contiguous", "ulysses contiguous"]
+    methods += [f"ring {layout} packed" for layout in ("contiguous", "zigzag", "document_zigzag")]
+    for method in methods:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -304,6 +398,18 @@ def torch_section(length: int, heads: int, repeat: int, world: int = 4) -> None:
             f"{peak1[1]:.0f}",
         ]
     ]
+    (fwd_p, both_p), peak_p, _ = singles[True]
+    rows.append(
+        [
+            "attend(segment_ids), 1 process",
+            f"{fwd_p * 1e3:.0f}",
+            f"{fwd_p / fwd1:.2f}x",
+            f"{both_p * 1e3:.0f}",
+            f"{both_p / both1:.2f}x",
+            f"{peak_p[0]:.0f}",
+            f"{peak_p[1]:.0f}",
+        ]
+    )
     for name, seen in runs.items():
         fwd = max(r[0][0] for r in seen)
         both = max(r[0][1] for r in seen)
@@ -322,7 +428,8 @@ def torch_section(length: int, heads: int, repeat: int, world: int = 4) -> None:
         )
     _table(
         f"torch, q,k,v [1, {heads}, {length}, 64] float32 causal: {world} gloo ranks of 1 thread "
-        f"against 1 process of {threads} threads, on {os.cpu_count()} cores",
+        f"against 1 process of {threads} threads, on {os.cpu_count()} cores; packed: 16 "
+        "documents of random lengths (ratios against causal attend without ids)",
         [
             "method",
             "fwd ms",
@@ -338,7 +445,9 @@ def torch_section(length: int, heads: int, repeat: int, world: int = 4) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", default=["schedule", "jax", "target", "torch"])
+    parser.add_argument(
+        "--only", nargs="*", default=["schedule", "packing", "jax", "target", "torch"]
+    )
     parser.add_argument("--length", type=int, default=8192, help="JAX sequence length")
     parser.add_argument("--torch-length", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=8)
@@ -346,6 +455,9 @@ def main() -> None:
     args = parser.parse_args()
     if "schedule" in args.only:
         schedule_section(args.length)
+    if "packing" in args.only:
+        for block in (512, 128):
+            packing_section(65536, 16, 8, block)
     if "jax" in args.only:
         jax_section(args.length, args.heads, args.repeat)
     if "target" in args.only:

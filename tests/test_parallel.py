@@ -207,7 +207,9 @@ def test_document_zigzag_gives_each_shard_its_positions(backend: Backend, shards
     rows = [_documents((shards, row), shards, 3 + row, length) for row in range(2)]
     x = backend.asarray(np.arange(2 * 3 * length).reshape(2, 3, length), "float32")
     ids = np.stack([np.searchsorted(b[1:], np.arange(length), side="right") for b in rows])
-    by_ids = parallel.reorder(x, shards, "document_zigzag", axis=-1, segment_ids=backend.asarray(ids))
+    by_ids = parallel.reorder(
+        x, shards, "document_zigzag", axis=-1, segment_ids=backend.asarray(ids)
+    )
     by_bounds = parallel.reorder(x[:1, ...], shards, "document_zigzag", axis=-1, cu_seqlens=rows[0])
     assert type(by_ids) is type(x) and tuple(by_ids.shape) == tuple(x.shape)
     got, first = backend.to_numpy(by_ids), backend.to_numpy(by_bounds)
@@ -216,7 +218,9 @@ def test_document_zigzag_gives_each_shard_its_positions(backend: Backend, shards
         want = np.concatenate([_extract_local(natural, bounds, r, shards) for r in range(shards)])
         np.testing.assert_array_equal(got[row, 1] - got[row, 1, 0], want)
     np.testing.assert_array_equal(first, got[:1])
-    back = parallel.restore(by_ids, shards, "document_zigzag", axis=-1, segment_ids=backend.asarray(ids))
+    back = parallel.restore(
+        by_ids, shards, "document_zigzag", axis=-1, segment_ids=backend.asarray(ids)
+    )
     assert_same(back, x)
 
 
@@ -230,7 +234,9 @@ def test_document_zigzag_under_jit() -> None:
     x = np.arange(64.0)
     want = parallel.reorder(x, 4, "document_zigzag", axis=-1, segment_ids=ids)
     fn = jax.jit(lambda a, i: parallel.reorder(a, 4, "document_zigzag", axis=-1, segment_ids=i))
-    np.testing.assert_array_equal(np.asarray(fn(jax.numpy.asarray(x), jax.numpy.asarray(ids))), want)
+    np.testing.assert_array_equal(
+        np.asarray(fn(jax.numpy.asarray(x), jax.numpy.asarray(ids))), want
+    )
 
 
 def test_document_zigzag_errors() -> None:

@@ -259,9 +259,9 @@ def test_document_zigzag_errors_on_the_ring() -> None:
     mesh = mesh_of(2)
     x = jnp.zeros((1, 2, 16, 4))
     ids = jnp.asarray(np.repeat([0, 1], [8, 8]), dtype=jnp.int32)
-    with pytest.raises(ValueError, match="takes `segment_ids`.*and no `window`"):
+    with pytest.raises(ValueError, match=r"takes `segment_ids`.*and no `window`"):
         parallel.ring_attend(x, x, x, axis_name="s", layout="document_zigzag", causal=True)
-    with pytest.raises(ValueError, match="takes `segment_ids`.*and no `window`"):
+    with pytest.raises(ValueError, match=r"takes `segment_ids`.*and no `window`"):
         parallel.ring_attend(
             x, x, x, axis_name="s", layout="document_zigzag", segment_ids=ids, window=(4, 0)
         )

@@ -183,8 +183,8 @@ def _value_cases() -> dict[str, Callable[[dict[str, Any]], None]]:
             )
     for name, (options, shapes) in DOCUMENT_OPTIONS.items():
         case = f"ring-document_zigzag-{name}"
-        cases[case] = lambda ctx, c=case, o=options, s=shapes: (
-            _check_against_one_device(ctx, c, "ring", "document_zigzag", o, **s)
+        cases[case] = lambda ctx, c=case, o=options, s=shapes: _check_against_one_device(
+            ctx, c, "ring", "document_zigzag", o, **s
         )
     for dtype in ("float32", "bfloat16"):
         case = f"ring-zigzag-causal-{dtype}"

@@ -8,7 +8,8 @@
   :func:`portable_attention.attend` with its whole contract, all-to-all back.
 - :func:`sharded_attend` (JAX): either of them on global arrays over a mesh axis.
 - :func:`reorder` / :func:`restore`: the permutation of a layout (``"contiguous"``,
-  ``"zigzag"``) on any array-API array; :func:`schedule`: the ring's steps and their work.
+  ``"zigzag"``, ``"document_zigzag"`` from segment ids) on any array-API array;
+  :func:`schedule`: the ring's steps and their work.
 
 The framework code lives in ``portable_attention.parallel._jax`` and ``._torch``, imported
 only when that framework's arrays arrive; the layouts, the schedule and the lse merge are
@@ -118,9 +119,11 @@ def ring_attend(
         ``shard_map``).
     group : ProcessGroup or 1-D DeviceMesh, torch only
         The ranks of the ring, in shard order (default: the world group).
-    layout : {"zigzag", "contiguous"}
+    layout : {"zigzag", "contiguous", "document_zigzag"}
         Which positions each shard holds (see :func:`reorder`). ``"zigzag"`` balances
-        causal work; ``"contiguous"`` suits windows narrower than a shard.
+        causal work; ``"contiguous"`` suits windows narrower than a shard;
+        ``"document_zigzag"`` (with ``segment_ids``, no ``window``) balances packed
+        documents under a causal mask: the zigzag of each document.
     causal, window, scale, softcap, chunk_size
         As :func:`portable_attention.attend`, in global positions (causal is lower-right
         over the global lengths ``P * L/P``).
@@ -150,7 +153,9 @@ def ring_attend(
     ------
     ValueError
         An unbound ``axis_name``, a global length the layout cannot split (zigzag needs
-        multiples of ``2P``), shards of unequal shapes or dtypes across ranks, options
+        multiples of ``2P``), ``"document_zigzag"`` without ``segment_ids`` or with a
+        ``window`` (or, where the ids can be read, a document of odd length on the
+        shard), shards of unequal shapes or dtypes across ranks, options
         (or the layout, or ``sinks`` or ``segment_ids`` given) that differ across
         torch.distributed ranks (raised on every rank, naming the option and what each
         rank passed), or any of :func:`~portable_attention.attend`'s checks.

@@ -167,7 +167,9 @@ def check_documents(ids: Any, num_shards: int | None) -> None:
         bad = np.flatnonzero(lengths % parts)
         if bad.size:
             at, size = int(starts[bad[0]]), int(lengths[bad[0]])
-            where = f"the document of id {row[at]} at positions [{at}, {at + size}) has length {size}"
+            where = (
+                f"the document of id {row[at]} at positions [{at}, {at + size}) has length {size}"
+            )
             if num_shards is None:
                 msg = (
                     f"layout {DOCUMENT_ZIGZAG!r}: a shard holds two equal chunks of each "
