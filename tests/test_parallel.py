@@ -232,7 +232,7 @@ def test_document_zigzag_under_jit() -> None:
     bounds = _documents("jit", 4, 3, 64)
     ids = np.searchsorted(bounds[1:], np.arange(64), side="right")
     x = np.arange(64.0)
-    want = parallel.reorder(x, 4, "document_zigzag", axis=-1, segment_ids=ids)
+    want = np.concatenate([_extract_local(x, bounds, r, 4) for r in range(4)])
     fn = jax.jit(lambda a, i: parallel.reorder(a, 4, "document_zigzag", axis=-1, segment_ids=i))
     np.testing.assert_array_equal(
         np.asarray(fn(jax.numpy.asarray(x), jax.numpy.asarray(ids))), want
@@ -248,9 +248,13 @@ def test_document_zigzag_errors() -> None:
     with pytest.raises(ValueError, match="exactly one of them"):
         parallel.reorder(x, 2, "document_zigzag")
     with pytest.raises(ValueError, match="exactly one of them"):
-        parallel.restore(x, 2, "document_zigzag", segment_ids=np.zeros(16), cu_seqlens=[0, 16])
-    with pytest.raises(ValueError, match="`cu_seqlens` must rise from 0 to"):
+        parallel.restore(x, 2, "document_zigzag", segment_ids=np.zeros(16, int), cu_seqlens=[0, 16])
+    with pytest.raises(ValueError, match="`cu_seqlens` must be 1-D integers rising from 0 to"):
         parallel.reorder(x, 2, "document_zigzag", cu_seqlens=[0, 4, 12])
+    with pytest.raises(ValueError, match="`cu_seqlens` must be 1-D integers"):
+        parallel.reorder(x, 2, "document_zigzag", cu_seqlens=[0.0, 4.5, 16.0])
+    with pytest.raises(TypeError, match="must be an integer array, got dtype float64"):
+        parallel.reorder(x, 2, "document_zigzag", segment_ids=np.zeros(16))
     with pytest.raises(ValueError, match=r"do not fit `x` of shape \(2, 16, 4\)"):
         parallel.reorder(x, 2, "document_zigzag", segment_ids=np.zeros((3, 16), dtype=int))
     with pytest.raises(TypeError, match="go with layout 'document_zigzag'"):

@@ -206,6 +206,7 @@ DOCUMENTS = {
     "causal": ({"causal": True}, (4, 2)),
     "causal-softcap-mqa": ({"causal": True, "softcap": 3.0}, (4, 1)),
     "plain": ({}, (4, 2)),
+    "upper-left-sinks": ({"causal": "upper_left", "sinks": jnp.linspace(-1.0, 2.0, 4)}, (4, 2)),
 }
 
 
@@ -253,6 +254,41 @@ def test_ring_in_document_zigzag_matches_one_device(shards: int, name: str) -> N
     )
     want = _reference({**options, "segment_ids": jnp.asarray(ids)})(*arrays)
     _compare(back, want, "float64")
+
+
+def test_document_zigzag_with_two_batch_axes() -> None:
+    """Ids ``[B2, L]`` with q ``[B1, B2, H, L, D]`` align with q's batch axes from the
+    right, as ``attend`` aligns them (here B1 == B2, where aligning from the left would
+    give each row another row's documents)."""
+    mesh = mesh_of(2)
+    ids = _document_ids("two-axes", 2, 64, 3)
+    rng = rng_for("parallel-jax", "two-axes")
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 2, 2, 64, 8))) for _ in range(3))
+    layout = {"num_shards": 2, "layout": "document_zigzag"}
+    # One permutation per entry of B2 (the ids' rows), shared by B1 and the heads.
+    moved = [
+        jnp.stack([parallel.reorder(x[:, b], **layout, segment_ids=ids[b]) for b in range(2)], 1)
+        for x in (q, k, v)
+    ]
+    local_ids = parallel.reorder(ids, **layout, axis=-1, segment_ids=ids)
+    seq5 = P(None, None, None, "s", None)
+
+    def local(q: Any, k: Any, v: Any, i: Any) -> Any:
+        return parallel.ring_attend(
+            q, k, v, axis_name="s", layout="document_zigzag", causal=True, segment_ids=i
+        )
+
+    ring = jax.shard_map(
+        local, mesh=mesh, in_specs=(seq5, seq5, seq5, P(None, "s")), out_specs=seq5,
+        check_vma=False,
+    )  # fmt: skip
+    placed = [jax.device_put(x, NamedSharding(mesh, seq5)) for x in moved]
+    out = np.asarray(ring(*placed, jax.device_put(local_ids, NamedSharding(mesh, P(None, "s")))))
+    back = np.stack(
+        [parallel.restore(out[:, b], **layout, segment_ids=ids[b]) for b in range(2)], 1
+    )
+    want = pa.attend(q, k, v, causal=True, segment_ids=jnp.asarray(ids))
+    np.testing.assert_allclose(back, np.asarray(want), rtol=1e-12, atol=1e-12)
 
 
 def test_document_zigzag_errors_on_the_ring() -> None:

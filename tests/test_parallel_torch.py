@@ -339,6 +339,17 @@ def _errors(ctx: dict[str, Any]) -> None:
         r"`scale`: rank 0 0.5, rank 1 0.25",
         lambda: parallel.ulysses_attend(x, x, x, scale=0.5 if rank == 0 else 0.25),
     )
+    # Per-document ids that only rank 0 gets wrong (a document of odd length on its
+    # shard, read on its host): every rank raises, rank 0 with the reason.
+    good = torch.repeat_interleave(torch.arange(2), torch.tensor([4, 4]))
+    odd = torch.repeat_interleave(torch.arange(2), torch.tensor([3, 5]))
+    _expect(
+        ValueError,
+        r"`refused shard arrays`: rank 0 .*has length 3" if rank else r"has length 3",
+        lambda: parallel.ring_attend(
+            x, x, x, layout="document_zigzag", causal=True, segment_ids=odd if rank == 0 else good
+        ),
+    )
     # Segment ids on one rank only (they travel with K/V): every rank raises.
     ids = torch.zeros(8, dtype=torch.int64)
     _expect(

@@ -179,10 +179,16 @@ def ring_attend(
     _where(backend, axis_name, group, "ring_attend")
     _check_ring_ids(segment_ids)
     module = _framework(backend, "ring_attend")
+    refused = None
+    if layout == _documents.DOCUMENT_ZIGZAG:
+        refused = _refuse_documents(q, segment_ids, window)
     if backend == "torch":
         link = module.resolve_group(group, q)
-        options = _agree(module, link, q, k, v, given, layout, travels={"segment_ids": segment_ids})
+        travels = {"segment_ids": segment_ids}
+        options = _agree(module, link, q, k, v, given, layout, travels=travels, refused=refused)
     else:
+        if refused is not None:
+            raise refused
         link, options = axis_name, _options.options(**_scalars(given))
     if sinks is not None:  # the sinks merge after the ring, from its lse
         options = dataclasses.replace(options, return_lse=True)
@@ -204,16 +210,8 @@ def _ring_of_halves(
     """The ring on shards in per-document zigzag order: each shard's rows regrouped into
     its two halves (:func:`._documents.halves`), the plain zigzag ring with the ids, the
     rows put back."""
-    if ids is None or call.window is not None:
-        msg = (
-            f"layout {_documents.DOCUMENT_ZIGZAG!r} balances packed documents under a causal "
-            "mask: it takes `segment_ids` (this shard's, in that layout) and no `window` "
-            "(use layout='zigzag' or 'contiguous' for windows)."
-        )
-        raise ValueError(msg)
     xp = call.xp
-    _documents.check_ids(ids, qkv[0], -2)
-    _documents.check_documents(ids, None)
+    ids = _documents.batched(xp, ids, qkv[0])
     order = _documents.halves(xp, ids)
     q, k, v = (_documents.take(xp, x, order, -2) for x in qkv)
     result = module.ring_attend(call, q, k, v, link, "zigzag", _documents.take(xp, ids, order, -1))
@@ -222,6 +220,29 @@ def _ring_of_halves(
         return _documents.take(xp, result, back, -2)
     out, lse = result
     return _documents.take(xp, out, back, -2), _documents.take(xp, lse, back, -1)
+
+
+def _refuse_documents(q: Any, ids: Any, window: object) -> Exception | None:
+    """What makes this shard's call in the per-document layout impossible (None:
+    nothing), found before torch's ranks exchange their options so that every rank
+    raises it, none waits."""
+    try:
+        if ids is None or _options.normalize_window(window) is not None:
+            msg = (
+                f"layout {_documents.DOCUMENT_ZIGZAG!r} balances packed documents under a "
+                "causal mask: it takes `segment_ids` (this shard's, in that layout) and no "
+                "`window` (use layout='zigzag' or 'contiguous' for windows)."
+            )
+            raise ValueError(msg)
+        if not hasattr(ids, "ndim"):
+            return None  # validate_call refuses it, with attend's message
+        xp = _spec.check_arrays(q=q)[0]
+        batched = _documents.batched(xp, ids, q)
+        _documents.check_ids(batched, q, -2)
+        _documents.check_documents(batched, None)
+    except (TypeError, ValueError) as err:
+        return err
+    return None
 
 
 def _check_ring_ids(segment_ids: object) -> None:
@@ -365,6 +386,7 @@ def _agree(
     layout: str,
     *,
     travels: dict[str, Any] | None = None,
+    refused: Exception | None = None,
 ) -> _options.Options:
     """torch.distributed: every rank of the group holds shards of one shape and dtype and
     passes the same options (normalised: ``causal=True`` and ``"lower_right"`` agree, as
@@ -372,7 +394,9 @@ def _agree(
     present, checked in one exchange before anything else can raise on one rank alone:
     options that do not validate enter it too, so every rank raises, none waits.
     Arrays that ``travels`` names go around the ring with K/V (the ring's segment ids):
-    their shapes enter the exchange too, None where absent.
+    their shapes enter the exchange too, None where absent. ``refused``: what this rank
+    found wrong with its own shard's arrays (the per-document layout's ids), raised on
+    every rank after the exchange.
     Returns the normalised options (checked once, here)."""
     invalid: Exception | None = None
     try:
@@ -385,9 +409,12 @@ def _agree(
     agreed.update({name: options.get(name) is not None for name in _GIVEN})
     agreed["layout"] = layout
     agreed["invalid options"] = None if invalid is None else str(invalid)
+    agreed["refused shard arrays"] = None if refused is None else str(refused)
     module.check_agreement(link, {"q": q, "k": k, "v": v, **(travels or {})}, agreed)
     if invalid is not None:  # on every rank alike: the exchange compared it
         raise invalid
+    if refused is not None:
+        raise refused
     return normalised
 
 

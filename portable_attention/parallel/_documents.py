@@ -88,11 +88,22 @@ def take(xp: Any, x: Any, permutation: Any, axis: int) -> Any:
     return xp.take_along_axis(x, index, axis=axis)
 
 
+def batched(xp: Any, ids: Any, q: Any) -> Any:
+    """A shard's ids ``[..., L/P]`` with as many leading axes as ``q``'s batch axes
+    (``q.ndim - 3``), 1s in front: ``attend`` aligns the ids' leading axes with the batch
+    axes from the right, :func:`take` from the left."""
+    missing = q.ndim - 2 - ids.ndim
+    return xp.reshape(ids, (*(1,) * missing, *ids.shape)) if missing > 0 else ids
+
+
 def check_ids(ids: Any, x: Any, axis: int) -> None:
     """The ids fit ``x``: an integer array ``[..., n]`` with ``n`` the length of ``x``
     along ``axis`` and leading axes that are ``x``'s leading axes (or 1)."""
     if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
         msg = f"`segment_ids` must be an integer array [..., L], got {type_name(ids)}."
+        raise TypeError(msg)
+    if not array_api_compat.array_namespace(ids).isdtype(ids.dtype, "integral"):
+        msg = f"`segment_ids` must be an integer array, got dtype {ids.dtype}."
         raise TypeError(msg)
     axis %= x.ndim
     lead, shape = tuple(ids.shape[:-1]), tuple(x.shape)
@@ -118,11 +129,20 @@ def ids_of(xp: Any, like: Any, length: int, segment_ids: Any, cu_seqlens: Any) -
         raise ValueError(msg)
     if segment_ids is not None:
         return _like(xp, like, segment_ids)
-    bounds = _host(cu_seqlens).astype(np.int64).reshape(-1)
-    if bounds.size < 2 or bounds[0] != 0 or bounds[-1] != length or np.any(np.diff(bounds) < 0):
+    if not isinstance(cu_seqlens, (list, tuple)) and adapter(_backend(cu_seqlens)).traced(
+        cu_seqlens
+    ):
         msg = (
-            f"`cu_seqlens` must rise from 0 to the sequence's length {length} "
-            f"([0, len_0, len_0 + len_1, ..., {length}]), got {bounds.tolist()}."
+            "`cu_seqlens` are read on the host, but these are traced (under jax.jit): pass "
+            "them as Python ints, or pass `segment_ids`, which trace."
+        )
+        raise ValueError(msg)
+    bounds = _host(cu_seqlens)
+    rises = bounds.ndim == 1 and bounds.size >= 2 and np.issubdtype(bounds.dtype, np.integer)
+    if not rises or bounds[0] != 0 or bounds[-1] != length or np.any(np.diff(bounds) < 0):
+        msg = (
+            f"`cu_seqlens` must be 1-D integers rising from 0 to the sequence's length "
+            f"{length} ([0, len_0, len_0 + len_1, ..., {length}]), got {bounds.tolist()}."
         )
         raise ValueError(msg)
     return _like(xp, like, np.searchsorted(bounds[1:], np.arange(length), side="right"))
@@ -150,7 +170,7 @@ def _host(x: Any) -> np.ndarray:
 def _backend(x: Any) -> str:
     from portable_attention._spec import check_arrays
 
-    return check_arrays(x=x)[1]
+    return check_arrays(segment_ids=x)[1]
 
 
 def check_documents(ids: Any, num_shards: int | None) -> None:

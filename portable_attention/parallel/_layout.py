@@ -59,11 +59,15 @@ def check_length(length: int, num_shards: int, layout: str, *, name: str = "the 
     ``2P`` (zigzag) equal pieces."""
     parts = num_shards * pieces(layout)
     if length % parts:
-        fix = (
-            f"pad it to a multiple of {parts} (with a mask or window that hides the padding) "
-            "or use layout='contiguous'"
-            if layout != "contiguous"
-            else f"pad it to a multiple of {parts}"
+        fixes = {
+            "contiguous": f"pad it to a multiple of {parts}",
+            "zigzag": f"pad it to a multiple of {parts} (with a mask or window that hides the "
+            "padding) or use layout='contiguous'",
+        }
+        fix = fixes.get(
+            layout,
+            f"pad each document at its end to a multiple of {parts} (under a causal mask "
+            "padding that keeps the document's id is seen by none of its tokens)",
         )
         msg = (
             f"{name} has length {length}, which layout {layout!r} cannot split over "
