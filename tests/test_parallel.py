@@ -4,6 +4,7 @@ device. (Many devices: test_parallel_jax.py; many ranks: test_parallel_torch.py.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from typing import Any
@@ -89,6 +90,58 @@ def test_schedule_reproduces_the_global_band(
     chunk = 2 * shards
     for lq, lk in ((4 * chunk, 4 * chunk), (2 * chunk, 5 * chunk), (3 * chunk, chunk)):
         _check_schedule(shards, layout, lq, lk, causal, window)
+
+
+def _documents_mod(lengths: list[int]) -> Any:
+    docs = np.repeat(np.arange(len(lengths)), lengths)
+
+    def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx - kv_idx < 40)
+
+    return mod, docs
+
+
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+@pytest.mark.parametrize("shards", [2, 4, 8])
+@pytest.mark.parametrize("causal", [None, "lower_right"])
+def test_block_plan_prunes_the_schedule_exactly(shards: int, layout: str, causal: Any) -> None:
+    """A mask_mod's block plan over the global lengths drops exactly the ring's blocks
+    (and steps) where it keeps no score, and marks unmasked exactly the blocks where its
+    plan blocks are all full: against the brute-force mask, every score the band and the
+    mod keep is still computed once, no dropped block held one, and every unmasked block's
+    scores are all kept by the mod."""
+    schedule_module = importlib.import_module("portable_attention.parallel._schedule")
+    length = 96 * shards // 2
+    mod, _docs = _documents_mod([length // 3, length // 2, length - length // 3 - length // 2])
+    plan = masks.block_plan(mod, length, length, block_size=8)
+    full = schedule_module.schedule(shards, layout, length, length, causal, None)
+    pruned = schedule_module.pruned(full, plan.layout)
+    q_idx, k_idx = np.arange(length)[:, None], np.arange(length)[None, :]
+    want = _global_band(length, length, causal, None) & mod(0, 0, q_idx, k_idx)
+    covered = np.zeros((length, length), dtype=int)
+    kept_steps = {step.shift for step in pruned.steps}
+    for step in full.steps:
+        for r in range(shards):
+            source = (r - step.shift) % shards
+            qp = np.asarray(_layout.positions(length, shards, layout, r))
+            kp = np.asarray(_layout.positions(length, shards, layout, source))
+            after = next((s.blocks[r] for s in pruned.steps if s.shift == step.shift), ())
+            for block in step.blocks[r]:
+                rows, cols = qp[block.rows[0] : block.rows[1]], kp[block.cols[0] : block.cols[1]]
+                scores = _block_band(block) & mod(0, 0, rows[:, None], cols[None, :])
+                same = [b for b in after if (b.rows, b.cols) == (block.rows, block.cols)]
+                if not same:
+                    assert not scores.any(), f"a dropped block kept a score (shard {r})"
+                    continue
+                if not same[0].masked:
+                    assert mod(0, 0, rows[:, None], cols[None, :]).all(), "unmasked, not full"
+                covered[np.ix_(rows, cols)] += scores
+    np.testing.assert_array_equal(covered, want.astype(int))
+    assert kept_steps <= {step.shift for step in full.steps}
+    if layout == "contiguous" and shards >= 4:  # documents shorter than the ring: blocks go
+        assert sum(len(b) for s in pruned.steps for b in s.blocks) < sum(
+            len(b) for s in full.steps for b in s.blocks
+        )
 
 
 def test_schedule_random_configurations() -> None:

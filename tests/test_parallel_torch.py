@@ -82,7 +82,7 @@ def _check_against_one_device(
     lse)."""
     import portable_attention as pa
     import torch
-    from portable_attention import parallel
+    from portable_attention import masks, parallel
 
     world, rank = ctx["world"], ctx["rank"]
     dt = getattr(torch, dtype)
@@ -101,6 +101,19 @@ def _check_against_one_device(
         ids = torch.repeat_interleave(torch.arange(4), torch.tensor([8, 24, 16, 16]))
     if ids is not None:
         options = {**options, "segment_ids": ids}
+    if options.get("mask_mod") in ("documents-window", "plan"):  # global positions and heads
+        docs = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 30, lk - 50]))
+
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (docs[q_idx] == docs[kv_idx]) & (q_idx - kv_idx < 9 + h)  # per head
+
+        if options["mask_mod"] == "plan":
+            options = {
+                **options,
+                "mask_mod": masks.block_plan(mod, lq, lk, heads=hq, block_size=8, like=q),
+            }
+        else:
+            options = {**options, "mask_mod": mod}
     for x in (q, k, v):
         x.requires_grad_()
     ref, ref_lse = pa.attend(q, k, v, return_lse=True, **options)
@@ -159,6 +172,11 @@ RING_OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "packed": ({"causal": True, "segment_ids": "packed"}, {}),
     "packed-window-sinks": (
         {"window": (3, 7), "segment_ids": "packed", "sinks": "random"},
+        {"heads": (4, 1)},
+    ),
+    "mask-mod": ({"causal": True, "mask_mod": "documents-window"}, {}),
+    "block-plan-packed-sinks": (
+        {"mask_mod": "plan", "segment_ids": "packed", "sinks": "random"},
         {"heads": (4, 1)},
     ),
 }

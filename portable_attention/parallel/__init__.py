@@ -100,6 +100,7 @@ def ring_attend(
     chunk_size: int | None = None,
     sinks: Any = None,
     segment_ids: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Ring attention over a sequence sharded across devices; called on every shard.
 
@@ -141,6 +142,15 @@ def ring_attend(
         shares an id with any visiting key are not computed (one host read of the ids
         per block); under ``shard_map`` the ids are traced, so every scheduled block
         runs, masked.
+    mask_mod : callable or masks.BlockPlan, optional
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's signature, True = may
+        attend), called with **global** positions in natural order (and the global head
+        numbers, which are the local ones: every shard holds every head), as
+        :func:`portable_attention.attend` takes it on one device; combined with the band
+        and the segment ids. A ``masks.block_plan(mask_mod, L, L, block_size)`` of the
+        global lengths also drops the ring's blocks, and whole ring steps, in which it
+        keeps no score (on every shard, JAX and torch alike), and builds no mask for the
+        blocks it keeps whole. Not with ``layout="document_zigzag"``.
     return_lse : bool
         Also return this shard's rows of the logsumexp ``[..., H, L/P]``.
 
@@ -153,10 +163,13 @@ def ring_attend(
     ------
     ValueError
         An unbound ``axis_name``, a global length the layout cannot split (zigzag needs
-        multiples of ``2P``), ``"document_zigzag"`` without ``segment_ids`` or with a
-        ``window`` (or, where the ids can be read, a document of odd length on the
-        shard), shards of unequal shapes or dtypes across ranks, options
-        (or the layout, or ``sinks`` or ``segment_ids`` given) that differ across
+        multiples of ``2P``), ``"document_zigzag"`` without ``segment_ids``, with a
+        ``window`` or a ``mask_mod`` (or, where the ids can be read, with a document of
+        odd length on the shard), a block plan not built for the global lengths, a
+        ``mask_mod`` closing over a traced array under ``jax.grad`` (the ring's
+        ``custom_vjp`` cannot take it; raised when differentiated), shards of unequal
+        shapes or dtypes across ranks, options (or the layout, or which of ``sinks``,
+        ``segment_ids`` and ``mask_mod`` are given) that differ across
         torch.distributed ranks (raised on every rank, naming the option and what each
         rank passed), or any of :func:`~portable_attention.attend`'s checks.
     TypeError
@@ -174,14 +187,14 @@ def ring_attend(
     layout = check_layout(layout, documents=True)
     given = {"causal": causal, "window": window, "scale": scale, "softcap": softcap}
     given.update({"chunk_size": chunk_size, "return_lse": return_lse, "sinks": sinks})
-    given["segment_ids"] = segment_ids
+    given.update({"segment_ids": segment_ids, "mask_mod": mask_mod})
     _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
     _where(backend, axis_name, group, "ring_attend")
     _check_ring_ids(segment_ids)
     module = _framework(backend, "ring_attend")
     refused = None
     if layout == _documents.DOCUMENT_ZIGZAG:
-        refused = _refuse_documents(q, segment_ids, window)
+        refused = _refuse_documents(q, segment_ids, window, mask_mod)
     if backend == "torch":
         link = module.resolve_group(group, q)
         travels = {"segment_ids": segment_ids}
@@ -192,11 +205,15 @@ def ring_attend(
         link, options = axis_name, _options.options(**_scalars(given))
     if sinks is not None:  # the sinks merge after the ring, from its lse
         options = dataclasses.replace(options, return_lse=True)
-    call = _spec.validate_call(q, k, v, options, sinks=sinks, segment_ids=segment_ids)
+    # A block plan is for the global lengths: the ring checks it (its function here).
+    function = getattr(mask_mod, "mask_mod", mask_mod)
+    call = _spec.validate_call(
+        q, k, v, options, sinks=sinks, segment_ids=segment_ids, mask_mod=function
+    )
     if layout == _documents.DOCUMENT_ZIGZAG:
         result = _ring_of_halves(call, module, link, (q, k, v), segment_ids)
     else:
-        result = module.ring_attend(call, q, k, v, link, layout, segment_ids)
+        result = module.ring_attend(call, q, k, v, link, layout, segment_ids, mask_mod)
     if sinks is None:
         return result
     out, lse = result
@@ -222,16 +239,16 @@ def _ring_of_halves(
     return _documents.take(xp, out, back, -2), _documents.take(xp, lse, back, -1)
 
 
-def _refuse_documents(q: Any, ids: Any, window: object) -> Exception | None:
+def _refuse_documents(q: Any, ids: Any, window: object, mask_mod: object) -> Exception | None:
     """What makes this shard's call in the per-document layout impossible (None:
     nothing), found before torch's ranks exchange their options so that every rank
     raises it, none waits."""
     try:
-        if ids is None or _options.normalize_window(window) is not None:
+        if ids is None or _options.normalize_window(window) is not None or mask_mod is not None:
             msg = (
                 f"layout {_documents.DOCUMENT_ZIGZAG!r} balances packed documents under a "
                 "causal mask: it takes `segment_ids` (this shard's, in that layout) and no "
-                "`window` (use layout='zigzag' or 'contiguous' for windows)."
+                "`window` or `mask_mod` (use layout='zigzag' or 'contiguous' for those)."
             )
             raise ValueError(msg)
         if not hasattr(ids, "ndim"):
@@ -509,7 +526,8 @@ def sharded_attend(
         if unknown:
             msg = (
                 f"ring_attend does not take {unknown}; its options are "
-                f"{sorted(_RING_OPTIONS)} (mask, bias, dropout and weights: method='ulysses')."
+                f"{sorted(_RING_OPTIONS)} (mask, bias, score_mod, dropout and weights: "
+                "method='ulysses')."
             )
             raise TypeError(msg)
     module = _framework("jax", "sharded_attend")
@@ -527,6 +545,7 @@ _RING_OPTIONS = {
     "chunk_size",
     "sinks",
     "segment_ids",
+    "mask_mod",
 }
 
 

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from portable_attention import _spec
 from portable_attention._options import Options
 from portable_attention.parallel import _layout, _ring
-from portable_attention.parallel._schedule import Block, Schedule, Step, schedule
+from portable_attention.parallel._schedule import Block, Schedule, Step
 
 XP = None  # the array-API namespace of JAX arrays, bound on first use
 
@@ -103,11 +103,28 @@ def _per_shard(
     return jax.lax.switch(index, [run(blocks) for blocks in distinct], *ops)
 
 
+def _positions(axis_name: Any, plan: Schedule, shift: int) -> tuple[Any, Any]:
+    """The global positions of this shard's query rows and of the keys it holds at a
+    step of ``shift`` (for a ``mask_mod``), from the layout's static table."""
+    size = plan.num_shards
+    me = jax.lax.axis_index(axis_name)
+    q_table = jnp.asarray(_layout.position_table(plan.q_length, size, plan.layout))
+    k_table = jnp.asarray(_layout.position_table(plan.k_length, size, plan.layout))
+    return q_table[me], k_table[(me - shift) % size]
+
+
 def _forward(
-    axis_name: Any, plan: Schedule, options: Options, q: Any, k: Any, v: Any, ids: Any = None
+    axis_name: Any,
+    plan: Schedule,
+    options: Options,
+    mask_mod: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    ids: Any = None,
 ) -> tuple[Any, Any]:
     """``(out, lse)`` of the local query rows, in the compute dtype; ``ids``: the local
-    segment ids (they travel with K/V), or None."""
+    segment ids (they travel with K/V), or None; ``mask_mod``: the ring's, or None."""
     xp = _xp()
     compute = _spec.compute_dtype_for(xp, q.dtype)
     qc = q.astype(compute)
@@ -115,10 +132,11 @@ def _forward(
     lse = _varying(jnp.full(q.shape[:-1], -jnp.inf, compute), q, k, v)
 
     def run(blocks: tuple[Block, ...]) -> Callable[..., Any]:
-        def step(out: Any, lse: Any, kb: Any, vb: Any, *kv_ids: Any) -> tuple[Any, Any]:
+        def step(out: Any, lse: Any, pos: Any, kb: Any, vb: Any, *kv_ids: Any) -> Any:
             kc, vc = kb.astype(compute), vb.astype(compute)
             pair = (ids, kv_ids[0]) if kv_ids else None
-            return _ring.forward_blocks(xp, blocks, options, out, lse, qc, kc, vc, pair)
+            mask = None if mask_mod is None else (mask_mod, *pos)
+            return _ring.forward_blocks(xp, blocks, options, out, lse, qc, kc, vc, pair, mask)
 
         return step
 
@@ -133,7 +151,8 @@ def _forward(
         upcoming = None
         if i + 1 < len(shifts) and shifts[i + 1] != held:
             upcoming = _shift(axis_name, size, shifts[i + 1] - held, kv)
-        out, lse = _per_shard(axis_name, step, run, out, lse, *kv)
+        pos = () if mask_mod is None else _positions(axis_name, plan, step.shift)
+        out, lse = _per_shard(axis_name, step, run, out, lse, pos, *kv)
         if upcoming is not None:
             kv, held = upcoming, shifts[i + 1]
     return out, lse
@@ -143,6 +162,7 @@ def _backward(
     axis_name: Any,
     plan: Schedule,
     options: Options,
+    mask_mod: Any,
     residuals: tuple[Any, ...],
     cotangents: tuple[Any, Any],
 ) -> tuple[Any, Any, Any]:
@@ -159,11 +179,12 @@ def _backward(
     dv = _varying(jnp.zeros(v.shape, compute), q, k, v, dout)
 
     def run(blocks: tuple[Block, ...]) -> Callable[..., Any]:
-        def step(dq: Any, dk: Any, dv: Any, kb: Any, vb: Any, *kv_ids: Any) -> tuple[Any, ...]:
+        def step(dq: Any, dk: Any, dv: Any, pos: Any, kb: Any, vb: Any, *kv_ids: Any) -> Any:
             kc, vc = kb.astype(compute), vb.astype(compute)
             pair = (ids, kv_ids[0]) if kv_ids else None
+            mask = None if mask_mod is None else (mask_mod, *pos)
             grads = (dq, dk, dv)
-            return _ring.backward_blocks(xp, blocks, options, grads, saved, kc, vc, pair)
+            return _ring.backward_blocks(xp, blocks, options, grads, saved, kc, vc, pair, mask)
 
         return step
 
@@ -176,28 +197,63 @@ def _backward(
             kv = _shift(axis_name, size, step.shift - held, kv)
             dk, dv = _shift(axis_name, size, step.shift - held, (dk, dv))
             held = step.shift
-        dq, dk, dv = _per_shard(axis_name, step, run, dq, dk, dv, *kv)
+        pos = () if mask_mod is None else _positions(axis_name, plan, step.shift)
+        dq, dk, dv = _per_shard(axis_name, step, run, dq, dk, dv, pos, *kv)
     dk, dv = _shift(axis_name, size, -held, (dk, dv))  # home to their owners
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def _captures_tracer(fn: Any, depth: int = 3) -> bool:
+    """Whether ``fn`` closes over a traced array (a jit argument), looking into its
+    closure's containers and the functions it closes over, ``depth`` levels deep."""
+    seen = [fn]
+    for _ in range(depth):
+        found = []
+        for item in seen:
+            for cell in getattr(item, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # a cell not yet filled
+                    continue
+                if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
+                    return True
+                if callable(value):
+                    found.append(value)
+        seen = found
+    return False
+
+
+def _traced_capture_error() -> ValueError:
+    msg = (
+        "ring_attend's `mask_mod` closes over a traced array (an argument of the enclosing "
+        "jax.jit): the ring's backward is a jax.custom_vjp, which cannot differentiate a "
+        "function that captures traced values. Capture a concrete array (a constant of the "
+        "program), pass document ids as `segment_ids` (they travel the ring with K/V), or "
+        "use ulysses_attend."
+    )
+    return ValueError(msg)
+
+
 @functools.lru_cache(maxsize=128)
-def _ring_function(axis_name: Any, plan: Schedule, options: Options) -> Any:
+def _ring_function(axis_name: Any, plan: Schedule, options: Options, mask_mod: Any = None) -> Any:
     """The ring's ``custom_vjp`` function of ``(q, k, v, *ids) -> (out, lse)`` for one
-    configuration (cached: a repeated trace reuses it); ``ids``: the local segment ids,
-    or nothing (integers: their cotangent is None)."""
+    configuration (cached: a repeated trace reuses it; a call with a ``mask_mod`` builds
+    its own, uncached, so that no cache keeps the user's function alive); ``ids``: the
+    local segment ids, or nothing (integers: their cotangent is None)."""
 
     @jax.custom_vjp
     def ring(q: Any, k: Any, v: Any, *ids: Any) -> tuple[Any, Any]:
-        out, lse = _forward(axis_name, plan, options, q, k, v, *ids)
+        out, lse = _forward(axis_name, plan, options, mask_mod, q, k, v, *ids)
         return out.astype(q.dtype), lse
 
     def ring_fwd(q: Any, k: Any, v: Any, *ids: Any) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        out, lse = _forward(axis_name, plan, options, q, k, v, *ids)
+        if mask_mod is not None and _captures_tracer(mask_mod):
+            raise _traced_capture_error()
+        out, lse = _forward(axis_name, plan, options, mask_mod, q, k, v, *ids)
         return (out.astype(q.dtype), lse), (q, k, v, out, lse, *ids)
 
     def ring_bwd(residuals: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
-        grads = _backward(axis_name, plan, options, residuals, cotangents)
+        grads = _backward(axis_name, plan, options, mask_mod, residuals, cotangents)
         return (*grads, *(None for _ in residuals[5:]))
 
     ring.defvjp(ring_fwd, ring_bwd)
@@ -205,7 +261,14 @@ def _ring_function(axis_name: Any, plan: Schedule, options: Options) -> Any:
 
 
 def ring_attend(
-    call: _spec.Call, q: Any, k: Any, v: Any, axis_name: Any, layout: str, ids: Any = None
+    call: _spec.Call,
+    q: Any,
+    k: Any,
+    v: Any,
+    axis_name: Any,
+    layout: str,
+    ids: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """The ring on JAX arrays (checked by the caller): see
     :func:`portable_attention.parallel.ring_attend`."""
@@ -217,9 +280,12 @@ def ring_attend(
     _layout.check_length(
         lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
     )
-    plan = schedule(size, layout, lq, lk, call.causal, call.window)
+    plan = _ring.ring_schedule(call, size, layout, lq, lk, mask_mod)
     options = call.options
-    ring = _ring_function(axis_name, plan, options)
+    if mask_mod is None:
+        ring = _ring_function(axis_name, plan, options)
+    else:
+        ring = _ring_function.__wrapped__(axis_name, plan, options, _ring.function_of(mask_mod))
     out, lse = ring(q, k, v) if ids is None else ring(q, k, v, ids)
     return (out, lse) if call.return_lse else out
 

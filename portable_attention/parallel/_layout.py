@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from portable_attention._checks import as_int, type_name
 from portable_attention.parallel._documents import DOCUMENT_ZIGZAG
 
@@ -87,6 +89,27 @@ def chunks(length: int, num_shards: int, layout: str, shard: int) -> tuple[tuple
     size = length // (2 * num_shards)
     late = 2 * num_shards - 1 - shard
     return ((shard * size, (shard + 1) * size), (late * size, (late + 1) * size))
+
+
+def global_spans(
+    length: int, num_shards: int, layout: str, shard: int, span: tuple[int, int]
+) -> list[tuple[int, int]]:
+    """The global ``(start, stop)`` intervals of the local rows ``span`` of shard
+    ``shard`` (one per chunk it touches)."""
+    spans, at = [], 0
+    for start, stop in chunks(length, num_shards, layout, shard):
+        first, last = max(span[0], at), min(span[1], at + stop - start)
+        if first < last:
+            spans.append((start + first - at, start + last - at))
+        at += stop - start
+    return spans
+
+
+def position_table(length: int, num_shards: int, layout: str) -> np.ndarray:
+    """``[P, L/P]`` int32: the global position of each local row of each shard (what a
+    ring's ``mask_mod`` is called with)."""
+    rows = [positions(length, num_shards, layout, r) for r in range(num_shards)]
+    return np.asarray(rows, dtype=np.int32).reshape(num_shards, length // num_shards)
 
 
 def positions(length: int, num_shards: int, layout: str, shard: int) -> list[int]:

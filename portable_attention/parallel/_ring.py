@@ -22,18 +22,26 @@ q[rows], k[cols], v[cols], out[rows], lse[rows], ...)`` computes
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import array_api_compat
+
 from portable_attention._attention import run_backward, run_call
+from portable_attention._block_plan import BlockPlan, check_plan_for
 from portable_attention._mods import Mods
 from portable_attention._options import Options
 from portable_attention._spec import Call, describe
 from portable_attention.backends import adapter
 from portable_attention.parallel._merge import add_rows, merge_rows
-from portable_attention.parallel._schedule import Block
+from portable_attention.parallel._schedule import Block, Schedule, pruned, schedule
+
+#: What a ring step knows of a ``mask_mod``: the user's function, the global positions
+#: of the local query rows and those of the visiting keys (int32, ``[L/P]`` each).
+Masking = tuple[Callable[..., Any], Any, Any]
 
 
-def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: Any) -> Call:
+def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: Mods | None) -> Call:
     """The call of one block: the ring's options with the block's band and ``lse``, on
     slices of the arrays the ring's call validated (nothing checked again). With segment
     ids, ``mods`` holds the ids of the block's rows and of its columns, cut from the one
@@ -41,14 +49,36 @@ def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: An
     is exact for one array of ids, and a row may find no key of its id in the block."""
     causal = "lower_right" if block.causal else None
     changes = dataclasses.replace(options, causal=causal, window=block.window, return_lse=True)
-    return describe(changes, q, k, v, segments=None if mods is None else "slices")
+    segments = None if mods is None or mods.q_ids is None else "slices"
+    masked = mods is not None and mods.mask_mod is not None
+    return describe(changes, q, k, v, segments=segments, mask_mod=masked)
 
 
-def _block_mods(ids: tuple[Any, Any] | None, block: Block) -> Mods | None:
-    """The segment ids of a block's rows and of its columns (None without ids)."""
-    if ids is None:
+def _block_mods(ids: tuple[Any, Any] | None, mask: Masking | None, block: Block) -> Mods | None:
+    """The segment ids of a block's rows and of its columns, and the ring's ``mask_mod``
+    seeing the global positions of both (None where there is neither)."""
+    mask_mod = None
+    if mask is not None and block.masked:
+        mask_mod = at_global(mask[0], _last(mask[1], block.rows), _last(mask[2], block.cols))
+    if ids is None and mask_mod is None:
         return None
-    return Mods(q_ids=_last(ids[0], block.rows), kv_ids=_last(ids[1], block.cols))
+    if ids is None:
+        return Mods(mask_mod=mask_mod)
+    q_ids, kv_ids = _last(ids[0], block.rows), _last(ids[1], block.cols)
+    return Mods(q_ids=q_ids, kv_ids=kv_ids, mask_mod=mask_mod)
+
+
+def at_global(mask_mod: Callable[..., Any], q_pos: Any, kv_pos: Any) -> Callable[..., Any]:
+    """``mask_mod`` called with global positions: a block's ``q_idx``/``kv_idx`` (its own
+    rows and columns) looked up in the global positions of those rows and columns."""
+
+    def global_mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        xp = array_api_compat.array_namespace(q_idx)
+        gq = xp.reshape(xp.take(q_pos, xp.reshape(q_idx, (-1,))), tuple(q_idx.shape))
+        gk = xp.reshape(xp.take(kv_pos, xp.reshape(kv_idx, (-1,))), tuple(kv_idx.shape))
+        return mask_mod(b, h, gq, gk)
+
+    return global_mask_mod
 
 
 def _adds_nothing(xp: Any, call: Call, mods: Mods | None) -> bool:
@@ -56,13 +86,32 @@ def _adds_nothing(xp: Any, call: Call, mods: Mods | None) -> bool:
     host where the ids are not traced (eager torch): the block adds nothing and is not
     computed. Traced ids (JAX inside ``shard_map``) are not read: the block runs, its
     scores masked."""
-    if mods is None:
+    if mods is None or mods.q_ids is None:
         return False
     backend = adapter(call.backend)
     if backend.traced(mods.q_ids) or backend.traced(mods.kv_ids):
         return False
     pair = xp.expand_dims(mods.q_ids, axis=-1) == xp.expand_dims(mods.kv_ids, axis=-2)
     return backend.host_bool(xp.any(pair)) is False
+
+
+def function_of(mask_mod: Any) -> Callable[..., Any]:
+    """The function of a ``mask_mod`` (a block plan carries its own)."""
+    return getattr(mask_mod, "mask_mod", mask_mod)
+
+
+def ring_schedule(
+    call: Call, size: int, layout: str, lq: int, lk: int, mask_mod: Any = None
+) -> Schedule:
+    """The ring's schedule for global lengths ``lq``/``lk``; with a block plan as
+    ``mask_mod`` (built for the global lengths), the blocks and steps it leaves empty
+    dropped and those it keeps whole unmasked (:func:`~._schedule.pruned`)."""
+    plan = schedule(size, layout, lq, lk, call.causal, call.window)
+    if isinstance(mask_mod, BlockPlan):
+        q_shape, k_shape = (*call.q_shape[:-2], lq, 1), (*call.k_shape[:-2], lk, 1)
+        check_plan_for(mask_mod, q_shape, k_shape, None)
+        plan = pruned(plan, mask_mod.layout)
+    return plan
 
 
 def _rows(x: Any, span: tuple[int, int]) -> Any:
@@ -89,13 +138,15 @@ def forward_blocks(
     k: Any,
     v: Any,
     ids: tuple[Any, Any] | None = None,
+    mask: Masking | None = None,
 ) -> tuple[Any, Any]:
     """The running ``(out, lse)`` of the local query rows after ``blocks`` against the
     visiting ``k``, ``v`` (all in the compute dtype); ``ids``: the segment ids of the
-    local queries and of the visiting keys, or None."""
+    local queries and of the visiting keys, or None; ``mask``: the ring's ``mask_mod``
+    with the global positions of both, or None."""
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
-        mods = _block_mods(ids, block)
+        mods = _block_mods(ids, mask, block)
         call = _block_call(options, block, qb, kb, vb, mods)
         if _adds_nothing(xp, call, mods):
             continue
@@ -113,18 +164,19 @@ def backward_blocks(
     k: Any,
     v: Any,
     ids: tuple[Any, Any] | None = None,
+    mask: Masking | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` after the gradients of ``blocks`` are added: ``dq`` of the local
     rows, ``dk``/``dv`` of the visiting shard (all in the compute dtype). ``saved``:
     ``(dout, q, out, lse, dlse)`` of the local rows, ``out`` and ``lse`` the global ones
     (every shard's keys merged); ``dlse`` the cotangent of the returned lse, or None.
-    ``ids`` as :func:`forward_blocks`'.
+    ``ids`` and ``mask`` as :func:`forward_blocks`'.
     """
     dq, dk, dv = grads
     dout, q, out, lse, dlse = saved
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
-        mods = _block_mods(ids, block)
+        mods = _block_mods(ids, mask, block)
         call = _block_call(options, block, qb, kb, vb, mods)
         if _adds_nothing(xp, call, mods):
             continue

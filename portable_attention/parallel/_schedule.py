@@ -21,13 +21,17 @@ the axis index; torch: each rank runs its own list).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from portable_attention import _band
-from portable_attention.parallel._layout import chunks, pieces
+from portable_attention._block_plan import BlockLayout
+from portable_attention.parallel._layout import chunks, global_spans, pieces
 
 #: A band of diagonals ``lo <= j - i <= hi`` in some block's local coordinates
 #: (``-inf``/``inf`` for an unbounded side).
@@ -50,6 +54,9 @@ class Block:
     window: tuple[int | None, int | None] | None
     lo: float
     hi: float
+    #: Whether the block calls the ring's ``mask_mod`` (False: its block plan keeps every
+    #: score of the block, so no mask is built).
+    masked: bool = True
 
     @property
     def area(self) -> int:
@@ -297,3 +304,39 @@ def schedule(
         window=window,
         steps=tuple(steps),
     )
+
+
+def pruned(plan: Schedule, layout: BlockLayout) -> Schedule:
+    """``plan`` with only the blocks where a block plan (a ``mask_mod``'s
+    :class:`~portable_attention.masks.BlockLayout` over the global lengths) keeps a
+    score: a block whose plan blocks are all full calls no mask (``masked=False``), one
+    with none kept is dropped, and so is a step with no block left on any shard. Exact:
+    a plan block is kept where its mod keeps any score."""
+    size = layout.block_size
+    grid = np.zeros((-(-plan.q_length // size), -(-plan.k_length // size)), dtype=np.int8)
+    for qi, ki in layout.kept:
+        grid[qi, ki] = 2 if (qi, ki) in layout.full else 1
+
+    def blocks_of(length: int, shard: int, span: tuple[int, int]) -> list[int]:
+        spans = global_spans(length, plan.num_shards, plan.layout, shard, span)
+        return sorted({i for a, b in spans for i in range(a // size, (b - 1) // size + 1)})
+
+    steps = []
+    for step in plan.steps:
+        per_shard = []
+        for r, blocks in enumerate(step.blocks):
+            source = (r - step.shift) % plan.num_shards
+            kept = []
+            for block in blocks:
+                cells = grid[
+                    np.ix_(
+                        blocks_of(plan.q_length, r, block.rows),
+                        blocks_of(plan.k_length, source, block.cols),
+                    )
+                ]
+                if cells.any():
+                    kept.append(dataclasses.replace(block, masked=not bool((cells == 2).all())))
+            per_shard.append(tuple(kept))
+        if any(per_shard):
+            steps.append(Step(shift=step.shift, blocks=tuple(per_shard)))
+    return dataclasses.replace(plan, steps=tuple(steps))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from portable_attention import _spec
 from portable_attention._checks import type_name
 from portable_attention._options import Options
 from portable_attention.parallel import _layout, _ring
-from portable_attention.parallel._schedule import Schedule, schedule
+from portable_attention.parallel._schedule import Schedule
 
 XP: Any = None
 
@@ -168,6 +168,8 @@ class Ring:
     size: int
     plan: Schedule
     options: Options
+    #: The user's mask_mod (seeing global positions), or None.
+    mask_mod: Callable[..., Any] | None = None
 
     def peer(self, shift: int) -> int:
         """The global rank ``shift`` places after this one in the group."""
@@ -224,6 +226,19 @@ class _Done(_Pending):
         return self.tensors
 
 
+def _masking(ring: Ring, q: Any, shift: int) -> _ring.Masking | None:
+    """The ring's ``mask_mod`` with the global positions of this rank's query rows and
+    of the keys it holds at a step of ``shift`` (None without a ``mask_mod``)."""
+    if ring.mask_mod is None:
+        return None
+    plan = ring.plan
+    q_table = _layout.position_table(plan.q_length, ring.size, plan.layout)
+    k_table = _layout.position_table(plan.k_length, ring.size, plan.layout)
+    q_pos = torch.as_tensor(q_table[ring.rank], device=q.device)
+    kv_pos = torch.as_tensor(k_table[(ring.rank - shift) % ring.size], device=q.device)
+    return ring.mask_mod, q_pos, kv_pos
+
+
 def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, Any]:
     xp = _xp()
     compute = _spec.compute_dtype_for(xp, q.dtype)
@@ -242,7 +257,10 @@ def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, 
         if blocks:
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             pair = None if ids is None else (ids, kv[2])
-            out, lse = _ring.forward_blocks(xp, blocks, ring.options, out, lse, qc, kc, vc, pair)
+            mask = _masking(ring, q, step.shift)
+            out, lse = _ring.forward_blocks(
+                xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mask
+            )
     return out, lse
 
 
@@ -272,7 +290,10 @@ def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[A
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             grads = (dq, acc[0], acc[1])
             pair = None if ids is None else (ids, kv[2])
-            dq, dk, dv = _ring.backward_blocks(xp, blocks, ring.options, grads, local, kc, vc, pair)
+            mask = _masking(ring, q, step.shift)
+            dq, dk, dv = _ring.backward_blocks(
+                xp, blocks, ring.options, grads, local, kc, vc, pair, mask
+            )
             acc = [dk, dv]
         if upcoming is not None and after is not None:  # the accumulators follow their K/V
             acc = send(ring, acc, after - held, tag=ACC_TAG).wait()
@@ -300,7 +321,14 @@ class _RingFunction(torch.autograd.Function):
 
 
 def ring_attend(
-    call: _spec.Call, q: Any, k: Any, v: Any, group: object, layout: str, ids: Any = None
+    call: _spec.Call,
+    q: Any,
+    k: Any,
+    v: Any,
+    group: object,
+    layout: str,
+    ids: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """The ring on torch tensors (checked by the caller, ``group`` resolved and the ranks
     agreeing): see :func:`portable_attention.parallel.ring_attend`."""
@@ -313,8 +341,15 @@ def ring_attend(
     _layout.check_length(
         lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
     )
-    plan = schedule(size, layout, lq, lk, call.causal, call.window)
-    ring = Ring(group=resolved, rank=rank, size=size, plan=plan, options=call.options)
+    plan = _ring.ring_schedule(call, size, layout, lq, lk, mask_mod)
+    ring = Ring(
+        group=resolved,
+        rank=rank,
+        size=size,
+        plan=plan,
+        options=call.options,
+        mask_mod=None if mask_mod is None else _ring.function_of(mask_mod),
+    )
     out, lse = _RingFunction.apply(q, k, v, ring, ids)
     return (out, lse) if call.return_lse else out
 
