@@ -138,10 +138,9 @@ def ring_attend(
         :func:`portable_attention.attend`'s one array of ids (a query attends only keys of
         its own id; ``causal`` and ``window`` within it, which for one array of ids is the
         global band). They travel the ring with their K/V shard: one small integer array
-        per step, so no shard needs the global ids. On torch the blocks where no query
-        shares an id with any visiting key are not computed (one host read of the ids
-        per block); under ``shard_map`` the ids are traced, so every scheduled block
-        runs, masked.
+        per step, so no shard needs the global ids. The blocks where no query shares an
+        id with any visiting key are not computed: one host read of the block's ids on
+        torch, a ``lax.cond`` on each device under ``shard_map``.
     mask_mod : callable or masks.BlockPlan, optional
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's signature, True = may
         attend), called with **global** positions in natural order (and the global head

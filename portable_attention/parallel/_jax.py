@@ -103,6 +103,13 @@ def _per_shard(
     return jax.lax.switch(index, [run(blocks) for blocks in distinct], *ops)
 
 
+def _when(keep: Any, compute: Callable[[Any], Any], state: Any) -> Any:
+    """A ring block computed only on the shards whose ``keep`` holds (``lax.cond``: a
+    block in which no query shares a segment id with a visiting key costs one
+    comparison of the ids)."""
+    return jax.lax.cond(keep, compute, lambda unchanged: unchanged, state)
+
+
 def _positions(axis_name: Any, plan: Schedule, shift: int) -> tuple[Any, Any]:
     """The global positions of this shard's query rows and of the keys it holds at a
     step of ``shift`` (for a ``mask_mod``), from the layout's static table."""
@@ -136,7 +143,9 @@ def _forward(
             kc, vc = kb.astype(compute), vb.astype(compute)
             pair = (ids, kv_ids[0]) if kv_ids else None
             mask = None if mask_mod is None else (mask_mod, *pos)
-            return _ring.forward_blocks(xp, blocks, options, out, lse, qc, kc, vc, pair, mask)
+            return _ring.forward_blocks(
+                xp, blocks, options, out, lse, qc, kc, vc, pair, mask, _when
+            )
 
         return step
 
@@ -184,7 +193,9 @@ def _backward(
             pair = (ids, kv_ids[0]) if kv_ids else None
             mask = None if mask_mod is None else (mask_mod, *pos)
             grads = (dq, dk, dv)
-            return _ring.backward_blocks(xp, blocks, options, grads, saved, kc, vc, pair, mask)
+            return _ring.backward_blocks(
+                xp, blocks, options, grads, saved, kc, vc, pair, mask, _when
+            )
 
         return step
 

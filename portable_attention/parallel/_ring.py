@@ -22,6 +22,7 @@ q[rows], k[cols], v[cols], out[rows], lse[rows], ...)`` computes
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -81,18 +82,28 @@ def at_global(mask_mod: Callable[..., Any], q_pos: Any, kv_pos: Any) -> Callable
     return global_mask_mod
 
 
-def _adds_nothing(xp: Any, call: Call, mods: Mods | None) -> bool:
-    """Whether no query of a block shares a segment id with any of its keys, read on the
-    host where the ids are not traced (eager torch): the block adds nothing and is not
-    computed. Traced ids (JAX inside ``shard_map``) are not read: the block runs, its
-    scores masked."""
+#: ``when(keep, compute, state)``: ``compute(state)`` where the 0-d boolean array ``keep``
+#: holds, else ``state``, decided on the device (JAX: ``lax.cond``). None: decided on
+#: the host where ``keep`` can be read (eager torch), computed where it cannot.
+When = Callable[[Any, Callable[[Any], Any], Any], Any]
+
+
+def _guarded(
+    xp: Any, call: Call, mods: Mods | None, when: When | None, compute: Any, state: Any
+) -> Any:
+    """``compute(state)``, skipped where no query of the block shares a segment id with
+    any of its keys (the block adds nothing): by ``when`` on the device, or by one host
+    read of the block's ids where they are not traced."""
     if mods is None or mods.q_ids is None:
-        return False
+        return compute(state)
     backend = adapter(call.backend)
-    if backend.traced(mods.q_ids) or backend.traced(mods.kv_ids):
-        return False
+    if when is None and (backend.traced(mods.q_ids) or backend.traced(mods.kv_ids)):
+        return compute(state)
     pair = xp.expand_dims(mods.q_ids, axis=-1) == xp.expand_dims(mods.kv_ids, axis=-2)
-    return backend.host_bool(xp.any(pair)) is False
+    keep = xp.any(pair)
+    if when is not None:
+        return when(keep, compute, state)
+    return state if backend.host_bool(keep) is False else compute(state)
 
 
 def function_of(mask_mod: Any) -> Callable[..., Any]:
@@ -139,20 +150,30 @@ def forward_blocks(
     v: Any,
     ids: tuple[Any, Any] | None = None,
     mask: Masking | None = None,
+    when: When | None = None,
 ) -> tuple[Any, Any]:
     """The running ``(out, lse)`` of the local query rows after ``blocks`` against the
     visiting ``k``, ``v`` (all in the compute dtype); ``ids``: the segment ids of the
     local queries and of the visiting keys, or None; ``mask``: the ring's ``mask_mod``
-    with the global positions of both, or None."""
+    with the global positions of both, or None; ``when``: how a block that shares no
+    segment id is skipped (:data:`When`)."""
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
         mods = _block_mods(ids, mask, block)
         call = _block_call(options, block, qb, kb, vb, mods)
-        if _adds_nothing(xp, call, mods):
-            continue
-        part, part_lse = run_call(call, qb, kb, vb, mods=mods)
-        out, lse = merge_rows(xp, out, lse, block.rows, part, part_lse)
+
+        add = functools.partial(_add_block, xp, call, block, mods, (qb, kb, vb))
+        out, lse = _guarded(xp, call, mods, when, add, (out, lse))
     return out, lse
+
+
+def _add_block(
+    xp: Any, call: Call, block: Block, mods: Mods | None, qkv: tuple[Any, ...], state: Any
+) -> tuple[Any, Any]:
+    """``(out, lse)`` with one block's partial result merged into its rows."""
+    q, k, v = qkv
+    part, part_lse = run_call(call, q, k, v, mods=mods)
+    return merge_rows(xp, state[0], state[1], block.rows, part, part_lse)
 
 
 def backward_blocks(
@@ -165,33 +186,46 @@ def backward_blocks(
     v: Any,
     ids: tuple[Any, Any] | None = None,
     mask: Masking | None = None,
+    when: When | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` after the gradients of ``blocks`` are added: ``dq`` of the local
     rows, ``dk``/``dv`` of the visiting shard (all in the compute dtype). ``saved``:
     ``(dout, q, out, lse, dlse)`` of the local rows, ``out`` and ``lse`` the global ones
     (every shard's keys merged); ``dlse`` the cotangent of the returned lse, or None.
-    ``ids`` and ``mask`` as :func:`forward_blocks`'.
+    ``ids``, ``mask`` and ``when`` as :func:`forward_blocks`'.
     """
-    dq, dk, dv = grads
     dout, q, out, lse, dlse = saved
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
         mods = _block_mods(ids, mask, block)
         call = _block_call(options, block, qb, kb, vb, mods)
-        if _adds_nothing(xp, call, mods):
-            continue
-        g = run_backward(
-            call,
+
+        rows = (
             _rows(dout, block.rows),
-            qb,
-            kb,
-            vb,
             _rows(out, block.rows),
             _last(lse, block.rows),
-            dlse=None if dlse is None else _last(dlse, block.rows),
-            mods=mods,
+            None if dlse is None else _last(dlse, block.rows),
         )
-        dq = add_rows(xp, dq, block.rows, g.dq)
-        dk = add_rows(xp, dk, block.cols, g.dk)
-        dv = add_rows(xp, dv, block.cols, g.dv)
+        add = functools.partial(_add_gradients, xp, call, block, mods, (qb, kb, vb), rows)
+        grads = _guarded(xp, call, mods, when, add, grads)
+    return grads
+
+
+def _add_gradients(
+    xp: Any,
+    call: Call,
+    block: Block,
+    mods: Mods | None,
+    qkv: tuple[Any, ...],
+    rows: tuple[Any, ...],
+    state: Any,
+) -> tuple[Any, Any, Any]:
+    """``(dq, dk, dv)`` with one block's gradients added: ``rows`` are the block's rows
+    of ``dout``, ``out``, ``lse`` and ``dlse`` (or None)."""
+    (q, k, v), (dout, out, lse, dlse) = qkv, rows
+    g = run_backward(call, dout, q, k, v, out, lse, dlse=dlse, mods=mods)
+    dq, dk, dv = state
+    dq = add_rows(xp, dq, block.rows, g.dq)
+    dk = add_rows(xp, dk, block.cols, g.dk)
+    dv = add_rows(xp, dv, block.cols, g.dv)
     return dq, dk, dv
