@@ -220,23 +220,42 @@ def test_ring_mask_mod_with_segment_ids_and_sinks() -> None:
     _check_ring(4, "zigzag", options)
 
 
-def test_ring_mask_mod_capturing_a_traced_array_under_grad() -> None:
-    """A mask_mod that closes over a jit argument: the forward runs, the gradient is a
-    clear error (the ring's custom_vjp cannot take the closure)."""
-    mesh = mesh_of(4)
-    q = jax.device_put(jnp.ones((1, 2, 64, 8)), NamedSharding(mesh, SEQ))
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_ring_with_score_mod_and_traced_captures(shards: int, layout: str) -> None:
+    """A score_mod (ALiBi of global positions, slopes per global head) and a mask_mod
+    that closes over a jit argument: JAX's autodiff differentiates the ring, so the loss
+    and the gradients of q, k, v and of the captured slopes equal one device's to 1e-12
+    in float64."""
+    q, k, v, *_ = _inputs(("score", shards, layout), jnp.float64, 4, 2, 64, 64)
+    slopes = jnp.asarray([0.1, 0.2, 0.3, 0.4])
 
-    def loss(q: Any, docs: Any) -> Any:
-        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return docs[q_idx] == docs[kv_idx]
+    def loss(att: Any) -> Any:
+        def value(q: Any, k: Any, v: Any, slopes: Any, docs: Any) -> Any:
+            def alibi(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
 
-        out = parallel.sharded_attend(q, q, q, mesh=mesh, axis="s", causal=True, mask_mod=mod)
-        return out.sum()
+            def documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return docs[q_idx] == docs[kv_idx]
 
+            out, lse = att(q, k, v, causal=True, score_mod=alibi, mask_mod=documents)
+            return (out**2).sum() + jnp.where(jnp.isinf(lse), 0.0, lse).sum()
+
+        return jax.jit(jax.value_and_grad(value, argnums=(0, 1, 2, 3)))
+
+    want, want_grads = loss(functools.partial(pa.attend, return_lse=True))(q, k, v, slopes, DOCS)
+    mesh = mesh_of(shards)
+    ring = functools.partial(
+        parallel.sharded_attend, mesh=mesh, axis="s", layout=layout, return_lse=True
+    )
+    placed = [jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v)]
     with jax.set_mesh(mesh):
-        assert np.isfinite(float(jax.jit(loss)(q, DOCS)))
-        with pytest.raises(ValueError, match=r"closes over a traced array.*ulysses_attend"):
-            jax.jit(jax.grad(loss))(q, DOCS)
+        got, grads = loss(ring)(*placed, slopes, DOCS)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-12)
+    for name, g, r in zip(("dq", "dk", "dv", "dslopes"), grads, want_grads, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12, err_msg=name
+        )
 
 
 def _document_ids(key: object, shards: int, length: int, documents: int) -> np.ndarray:
@@ -354,7 +373,7 @@ def test_document_zigzag_errors_on_the_ring() -> None:
     odd = jnp.asarray(np.repeat([0, 1], [7, 9]), dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"id 0 at positions \[0, 7\) has length 7"):
         parallel.ring_attend(x, x, x, axis_name="s", layout="document_zigzag", segment_ids=odd)
-    with pytest.raises(ValueError, match="no `window` or `mask_mod`"):
+    with pytest.raises(ValueError, match="no `window`, `score_mod` or `mask_mod`"):
         parallel.ring_attend(
             x, x, x, axis_name="s", layout="document_zigzag", segment_ids=ids,
             mask_mod=lambda b, h, i, j: i >= j,

@@ -238,6 +238,47 @@ def _value_cases() -> dict[str, Callable[[dict[str, Any]], None]]:
     return cases
 
 
+def _ring_score_mod(ctx: dict[str, Any]) -> None:
+    """A score_mod on the ring (global positions and heads) with a captured tensor that
+    requires grad, and a mask_mod: out and the gradients of q, k, v and of the captured
+    slopes (summed over the ranks) equal one process's attend in float64, both layouts."""
+    import portable_attention as pa
+    import torch
+    import torch.distributed as dist
+    from portable_attention import parallel
+
+    world, rank = ctx["world"], ctx["rank"]
+    tol = ctx["tolerances"]["float64"]
+    q, k, v, dout = _tensors("ring-score-mod", torch.float64, *[(2, 4, 64, 8)] * 3, (2, 4, 64, 8))
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 30, 14]))
+
+    def run(fn: Any, *args: Any, **options: Any) -> Any:
+        slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64, requires_grad=True)
+
+        def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score - slopes[h] * (q_idx - kv_idx).abs().to(score.dtype)
+
+        def documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return docs[q_idx] == docs[kv_idx]
+
+        out = fn(*args, causal=True, score_mod=alibi, mask_mod=documents, **options)
+        return out, slopes
+
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref, ref_slopes = run(pa.attend, *whole)
+    ref_grads = torch.autograd.grad(ref, [*whole, ref_slopes], dout)
+    for layout in ("zigzag", "contiguous"):
+        local = [_shard(x, world, rank, layout).requires_grad_() for x in (q, k, v)]
+        out, slopes = run(parallel.ring_attend, *local, layout=layout)
+        grads = torch.autograd.grad(out, [*local, slopes], _shard(dout, world, rank, layout))
+        _close(f"out ({layout})", out, _shard(ref, world, rank, layout), tol)
+        for name, g, r in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3], strict=True):
+            _close(f"{name} ({layout})", g, _shard(r, world, rank, layout), tol)
+        d_slopes = grads[3].clone()
+        dist.all_reduce(d_slopes)  # each rank's queries' share of the slopes' gradient
+        _close(f"dslopes ({layout})", d_slopes, ref_grads[3], tol)
+
+
 def _ulysses_mask_bias_weights(ctx: dict[str, Any]) -> None:
     import portable_attention as pa
     import torch
@@ -456,6 +497,7 @@ def cases() -> dict[str, Callable[[dict[str, Any]], None]]:
     return {
         **_value_cases(),
         "ulysses-mask-bias-weights": _ulysses_mask_bias_weights,
+        "ring-score-mod": _ring_score_mod,
         "count-sends": _count_sends,
         "errors": _errors,
         "device-mesh-and-subgroup": _device_mesh_and_subgroup,

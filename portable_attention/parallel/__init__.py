@@ -100,6 +100,7 @@ def ring_attend(
     chunk_size: int | None = None,
     sinks: Any = None,
     segment_ids: Any = None,
+    score_mod: Any = None,
     mask_mod: Any = None,
 ) -> Any:
     """Ring attention over a sequence sharded across devices; called on every shard.
@@ -141,6 +142,13 @@ def ring_attend(
         per step, so no shard needs the global ids. The blocks where no query shares an
         id with any visiting key are not computed: one host read of the block's ids on
         torch, a ``lax.cond`` on each device under ``shard_map``.
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's), called with
+        global positions and heads as ``mask_mod`` below. Differentiable, the arrays it
+        captures included: with a ``score_mod`` the ring is differentiated by the
+        framework's autodiff (torch autograd through differentiable K/V shifts; JAX
+        through ``ppermute``), which saves every step's visiting K/V, ``O(L * D)`` per
+        device instead of ``O(L/P * D)``.
     mask_mod : callable or masks.BlockPlan, optional
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's signature, True = may
         attend), called with **global** positions in natural order (and the global head
@@ -164,11 +172,10 @@ def ring_attend(
         An unbound ``axis_name``, a global length the layout cannot split (zigzag needs
         multiples of ``2P``), ``"document_zigzag"`` without ``segment_ids``, with a
         ``window`` or a ``mask_mod`` (or, where the ids can be read, with a document of
-        odd length on the shard), a block plan not built for the global lengths, a
-        ``mask_mod`` closing over a traced array under ``jax.grad`` (the ring's
-        ``custom_vjp`` cannot take it; raised when differentiated), shards of unequal
-        shapes or dtypes across ranks, options (or the layout, or which of ``sinks``,
-        ``segment_ids`` and ``mask_mod`` are given) that differ across
+        odd length on the shard), a block plan not built for the global lengths, shards
+        of unequal shapes or dtypes across ranks, options (or the layout, or which of
+        ``sinks``, ``segment_ids``, ``score_mod`` and ``mask_mod`` are given) that
+        differ across
         torch.distributed ranks (raised on every rank, naming the option and what each
         rank passed), or any of :func:`~portable_attention.attend`'s checks.
     TypeError
@@ -181,19 +188,23 @@ def ring_attend(
     Differentiable: the backward is a ``jax.custom_vjp`` / ``torch.autograd.Function``
     built on :func:`portable_attention.attend_backward`, which sends each K/V shard around
     the ring once more together with its ``dk``/``dv`` accumulators; it saves only
-    ``q, k, v, out, lse`` of the local shard (``O(L/P * D)`` per device).
+    ``q, k, v, out, lse`` of the local shard (``O(L/P * D)`` per device). A ``score_mod``,
+    or on JAX a ``mask_mod`` that closes over traced arrays (which a ``custom_vjp``
+    cannot take), is differentiated by autodiff instead (see ``score_mod``).
     """
     layout = check_layout(layout, documents=True)
     given = {"causal": causal, "window": window, "scale": scale, "softcap": softcap}
     given.update({"chunk_size": chunk_size, "return_lse": return_lse, "sinks": sinks})
-    given.update({"segment_ids": segment_ids, "mask_mod": mask_mod})
+    given.update({"segment_ids": segment_ids, "score_mod": score_mod, "mask_mod": mask_mod})
     _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
     _where(backend, axis_name, group, "ring_attend")
     _check_ring_ids(segment_ids)
     module = _framework(backend, "ring_attend")
     refused = None
     if layout == _documents.DOCUMENT_ZIGZAG:
-        refused = _refuse_documents(q, segment_ids, window, mask_mod)
+        refused = _refuse_documents(
+            q, segment_ids, window, mask_mod if mask_mod is not None else score_mod
+        )
     if backend == "torch":
         link = module.resolve_group(group, q)
         travels = {"segment_ids": segment_ids}
@@ -207,12 +218,13 @@ def ring_attend(
     # A block plan is for the global lengths: the ring checks it (its function here).
     function = getattr(mask_mod, "mask_mod", mask_mod)
     call = _spec.validate_call(
-        q, k, v, options, sinks=sinks, segment_ids=segment_ids, mask_mod=function
-    )
+        q, k, v, options, sinks=sinks, segment_ids=segment_ids, score_mod=score_mod,
+        mask_mod=function,
+    )  # fmt: skip
     if layout == _documents.DOCUMENT_ZIGZAG:
         result = _ring_of_halves(call, module, link, (q, k, v), segment_ids)
     else:
-        result = module.ring_attend(call, q, k, v, link, layout, segment_ids, mask_mod)
+        result = module.ring_attend(call, q, k, v, link, layout, segment_ids, mask_mod, score_mod)
     if sinks is None:
         return result
     out, lse = result
@@ -247,7 +259,8 @@ def _refuse_documents(q: Any, ids: Any, window: object, mask_mod: object) -> Exc
             msg = (
                 f"layout {_documents.DOCUMENT_ZIGZAG!r} balances packed documents under a "
                 "causal mask: it takes `segment_ids` (this shard's, in that layout) and no "
-                "`window` or `mask_mod` (use layout='zigzag' or 'contiguous' for those)."
+                "`window`, `score_mod` or `mask_mod` (use layout='zigzag' or 'contiguous' "
+                "for those)."
             )
             raise ValueError(msg)
         if not hasattr(ids, "ndim"):
@@ -525,8 +538,7 @@ def sharded_attend(
         if unknown:
             msg = (
                 f"ring_attend does not take {unknown}; its options are "
-                f"{sorted(_RING_OPTIONS)} (mask, bias, score_mod, dropout and weights: "
-                "method='ulysses')."
+                f"{sorted(_RING_OPTIONS)} (mask, bias, dropout and weights: method='ulysses')."
             )
             raise TypeError(msg)
     module = _framework("jax", "sharded_attend")
@@ -544,6 +556,7 @@ _RING_OPTIONS = {
     "chunk_size",
     "sinks",
     "segment_ids",
+    "score_mod",
     "mask_mod",
 }
 

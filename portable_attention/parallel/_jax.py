@@ -112,7 +112,7 @@ def _when(keep: Any, compute: Callable[[Any], Any], state: Any) -> Any:
 
 def _positions(axis_name: Any, plan: Schedule, shift: int) -> tuple[Any, Any]:
     """The global positions of this shard's query rows and of the keys it holds at a
-    step of ``shift`` (for a ``mask_mod``), from the layout's static table."""
+    step of ``shift`` (for the user's mods), from the layout's static table."""
     size = plan.num_shards
     me = jax.lax.axis_index(axis_name)
     q_table = jnp.asarray(_layout.position_table(plan.q_length, size, plan.layout))
@@ -124,14 +124,14 @@ def _forward(
     axis_name: Any,
     plan: Schedule,
     options: Options,
-    mask_mod: Any,
+    user: _ring.UserMods | None,
     q: Any,
     k: Any,
     v: Any,
     ids: Any = None,
 ) -> tuple[Any, Any]:
     """``(out, lse)`` of the local query rows, in the compute dtype; ``ids``: the local
-    segment ids (they travel with K/V), or None; ``mask_mod``: the ring's, or None."""
+    segment ids (they travel with K/V), or None; ``user``: the ring's mods, or None."""
     xp = _xp()
     compute = _spec.compute_dtype_for(xp, q.dtype)
     qc = q.astype(compute)
@@ -142,9 +142,9 @@ def _forward(
         def step(out: Any, lse: Any, pos: Any, kb: Any, vb: Any, *kv_ids: Any) -> Any:
             kc, vc = kb.astype(compute), vb.astype(compute)
             pair = (ids, kv_ids[0]) if kv_ids else None
-            mask = None if mask_mod is None else (mask_mod, *pos)
+            mods = None if user is None else (user, *pos)
             return _ring.forward_blocks(
-                xp, blocks, options, out, lse, qc, kc, vc, pair, mask, _when
+                xp, blocks, options, out, lse, qc, kc, vc, pair, mods, _when
             )
 
         return step
@@ -160,7 +160,7 @@ def _forward(
         upcoming = None
         if i + 1 < len(shifts) and shifts[i + 1] != held:
             upcoming = _shift(axis_name, size, shifts[i + 1] - held, kv)
-        pos = () if mask_mod is None else _positions(axis_name, plan, step.shift)
+        pos = () if user is None else _positions(axis_name, plan, step.shift)
         out, lse = _per_shard(axis_name, step, run, out, lse, pos, *kv)
         if upcoming is not None:
             kv, held = upcoming, shifts[i + 1]
@@ -171,7 +171,7 @@ def _backward(
     axis_name: Any,
     plan: Schedule,
     options: Options,
-    mask_mod: Any,
+    user: _ring.UserMods | None,
     residuals: tuple[Any, ...],
     cotangents: tuple[Any, Any],
 ) -> tuple[Any, Any, Any]:
@@ -191,10 +191,10 @@ def _backward(
         def step(dq: Any, dk: Any, dv: Any, pos: Any, kb: Any, vb: Any, *kv_ids: Any) -> Any:
             kc, vc = kb.astype(compute), vb.astype(compute)
             pair = (ids, kv_ids[0]) if kv_ids else None
-            mask = None if mask_mod is None else (mask_mod, *pos)
+            mods = None if user is None else (user, *pos)
             grads = (dq, dk, dv)
             return _ring.backward_blocks(
-                xp, blocks, options, grads, saved, kc, vc, pair, mask, _when
+                xp, blocks, options, grads, saved, kc, vc, pair, mods, _when
             )
 
         return step
@@ -208,7 +208,7 @@ def _backward(
             kv = _shift(axis_name, size, step.shift - held, kv)
             dk, dv = _shift(axis_name, size, step.shift - held, (dk, dv))
             held = step.shift
-        pos = () if mask_mod is None else _positions(axis_name, plan, step.shift)
+        pos = () if user is None else _positions(axis_name, plan, step.shift)
         dq, dk, dv = _per_shard(axis_name, step, run, dq, dk, dv, pos, *kv)
     dk, dv = _shift(axis_name, size, -held, (dk, dv))  # home to their owners
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -234,40 +234,44 @@ def _captures_tracer(fn: Any, depth: int = 3) -> bool:
     return False
 
 
-def _traced_capture_error() -> ValueError:
-    msg = (
-        "ring_attend's `mask_mod` closes over a traced array (an argument of the enclosing "
-        "jax.jit): the ring's backward is a jax.custom_vjp, which cannot differentiate a "
-        "function that captures traced values. Capture a concrete array (a constant of the "
-        "program), pass document ids as `segment_ids` (they travel the ring with K/V), or "
-        "use ulysses_attend."
-    )
-    return ValueError(msg)
-
-
 @functools.lru_cache(maxsize=128)
-def _ring_function(axis_name: Any, plan: Schedule, options: Options, mask_mod: Any = None) -> Any:
+def _ring_function(
+    axis_name: Any, plan: Schedule, options: Options, user: _ring.UserMods | None = None
+) -> Any:
     """The ring's ``custom_vjp`` function of ``(q, k, v, *ids) -> (out, lse)`` for one
-    configuration (cached: a repeated trace reuses it; a call with a ``mask_mod`` builds
-    its own, uncached, so that no cache keeps the user's function alive); ``ids``: the
-    local segment ids, or nothing (integers: their cotangent is None)."""
+    configuration (cached: a repeated trace reuses it; a call with mods builds its own,
+    uncached, so that no cache keeps the user's functions alive); ``ids``: the local
+    segment ids, or nothing (integers: their cotangent is None)."""
 
     @jax.custom_vjp
     def ring(q: Any, k: Any, v: Any, *ids: Any) -> tuple[Any, Any]:
-        out, lse = _forward(axis_name, plan, options, mask_mod, q, k, v, *ids)
+        out, lse = _forward(axis_name, plan, options, user, q, k, v, *ids)
         return out.astype(q.dtype), lse
 
     def ring_fwd(q: Any, k: Any, v: Any, *ids: Any) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        if mask_mod is not None and _captures_tracer(mask_mod):
-            raise _traced_capture_error()
-        out, lse = _forward(axis_name, plan, options, mask_mod, q, k, v, *ids)
+        out, lse = _forward(axis_name, plan, options, user, q, k, v, *ids)
         return (out.astype(q.dtype), lse), (q, k, v, out, lse, *ids)
 
     def ring_bwd(residuals: tuple[Any, ...], cotangents: tuple[Any, Any]) -> tuple[Any, ...]:
-        grads = _backward(axis_name, plan, options, mask_mod, residuals, cotangents)
+        grads = _backward(axis_name, plan, options, user, residuals, cotangents)
         return (*grads, *(None for _ in residuals[5:]))
 
     ring.defvjp(ring_fwd, ring_bwd)
+    return ring
+
+
+def _differentiated_ring(
+    axis_name: Any, plan: Schedule, options: Options, user: _ring.UserMods
+) -> Any:
+    """The ring that JAX's own autodiff differentiates, for mods the ``custom_vjp``
+    cannot take: a ``score_mod`` (each block's gradient through it, and through the
+    arrays it captures, is the attend path's), or a ``mask_mod`` that closes over traced
+    arrays. It saves what autodiff saves: every step's visiting K/V."""
+
+    def ring(q: Any, k: Any, v: Any, *ids: Any) -> tuple[Any, Any]:
+        out, lse = _forward(axis_name, plan, options, user, q, k, v, *ids)
+        return out.astype(q.dtype), lse
+
     return ring
 
 
@@ -280,6 +284,7 @@ def ring_attend(
     layout: str,
     ids: Any = None,
     mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Any:
     """The ring on JAX arrays (checked by the caller): see
     :func:`portable_attention.parallel.ring_attend`."""
@@ -293,10 +298,13 @@ def ring_attend(
     )
     plan = _ring.ring_schedule(call, size, layout, lq, lk, mask_mod)
     options = call.options
-    if mask_mod is None:
+    user = _ring.user_mods(score_mod, mask_mod)
+    if user is None:
         ring = _ring_function(axis_name, plan, options)
+    elif user.score_mod is not None or _captures_tracer(user.mask_mod):
+        ring = _differentiated_ring(axis_name, plan, options, user)
     else:
-        ring = _ring_function.__wrapped__(axis_name, plan, options, _ring.function_of(mask_mod))
+        ring = _ring_function.__wrapped__(axis_name, plan, options, user)
     out, lse = ring(q, k, v) if ids is None else ring(q, k, v, ids)
     return (out, lse) if call.return_lse else out
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
@@ -37,9 +38,19 @@ from portable_attention.backends import adapter
 from portable_attention.parallel._merge import add_rows, merge_rows
 from portable_attention.parallel._schedule import Block, Schedule, pruned, schedule
 
-#: What a ring step knows of a ``mask_mod``: the user's function, the global positions
-#: of the local query rows and those of the visiting keys (int32, ``[L/P]`` each).
-Masking = tuple[Callable[..., Any], Any, Any]
+
+@dataclass(frozen=True)
+class UserMods:
+    """The ring's ``score_mod`` and ``mask_mod`` (a block plan's function), which see
+    global positions."""
+
+    score_mod: Callable[..., Any] | None = None
+    mask_mod: Callable[..., Any] | None = None
+
+
+#: What a ring step knows of the user's mods: them, the global positions of the local
+#: query rows and those of the visiting keys (int32, ``[L/P]`` each).
+Positioned = tuple[UserMods, Any, Any]
 
 
 def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: Mods | None) -> Call:
@@ -51,35 +62,51 @@ def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: Mo
     causal = "lower_right" if block.causal else None
     changes = dataclasses.replace(options, causal=causal, window=block.window, return_lse=True)
     segments = None if mods is None or mods.q_ids is None else "slices"
+    scored = mods is not None and mods.score_mod is not None
     masked = mods is not None and mods.mask_mod is not None
-    return describe(changes, q, k, v, segments=segments, mask_mod=masked)
+    return describe(changes, q, k, v, segments=segments, score_mod=scored, mask_mod=masked)
 
 
-def _block_mods(ids: tuple[Any, Any] | None, mask: Masking | None, block: Block) -> Mods | None:
-    """The segment ids of a block's rows and of its columns, and the ring's ``mask_mod``
-    seeing the global positions of both (None where there is neither)."""
-    mask_mod = None
-    if mask is not None and block.masked:
-        mask_mod = at_global(mask[0], _last(mask[1], block.rows), _last(mask[2], block.cols))
-    if ids is None and mask_mod is None:
+def _block_mods(
+    ids: tuple[Any, Any] | None, positioned: Positioned | None, block: Block
+) -> Mods | None:
+    """The segment ids of a block's rows and of its columns, and the ring's mods seeing
+    the global positions of both (None where there is none of them)."""
+    score_mod = mask_mod = None
+    if positioned is not None:
+        user, q_pos, kv_pos = positioned
+        rows, cols = _last(q_pos, block.rows), _last(kv_pos, block.cols)
+        if user.score_mod is not None:
+            score_mod = _score_at_global(user.score_mod, rows, cols)
+        if user.mask_mod is not None and block.masked:
+            mask_mod = _mask_at_global(user.mask_mod, rows, cols)
+    if ids is None and score_mod is None and mask_mod is None:
         return None
-    if ids is None:
-        return Mods(mask_mod=mask_mod)
-    q_ids, kv_ids = _last(ids[0], block.rows), _last(ids[1], block.cols)
-    return Mods(q_ids=q_ids, kv_ids=kv_ids, mask_mod=mask_mod)
+    q_ids = kv_ids = None
+    if ids is not None:
+        q_ids, kv_ids = _last(ids[0], block.rows), _last(ids[1], block.cols)
+    return Mods(q_ids=q_ids, kv_ids=kv_ids, score_mod=score_mod, mask_mod=mask_mod)
 
 
-def at_global(mask_mod: Callable[..., Any], q_pos: Any, kv_pos: Any) -> Callable[..., Any]:
-    """``mask_mod`` called with global positions: a block's ``q_idx``/``kv_idx`` (its own
-    rows and columns) looked up in the global positions of those rows and columns."""
+def _global(positions: Any, index: Any) -> Any:
+    """A block's own index array (``q_idx`` or ``kv_idx``) as the global positions of
+    those rows or columns."""
+    xp = array_api_compat.array_namespace(index)
+    return xp.reshape(xp.take(positions, xp.reshape(index, (-1,))), tuple(index.shape))
 
+
+def _mask_at_global(mask_mod: Callable[..., Any], rows: Any, cols: Any) -> Callable[..., Any]:
     def global_mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        xp = array_api_compat.array_namespace(q_idx)
-        gq = xp.reshape(xp.take(q_pos, xp.reshape(q_idx, (-1,))), tuple(q_idx.shape))
-        gk = xp.reshape(xp.take(kv_pos, xp.reshape(kv_idx, (-1,))), tuple(kv_idx.shape))
-        return mask_mod(b, h, gq, gk)
+        return mask_mod(b, h, _global(rows, q_idx), _global(cols, kv_idx))
 
     return global_mask_mod
+
+
+def _score_at_global(score_mod: Callable[..., Any], rows: Any, cols: Any) -> Callable[..., Any]:
+    def global_score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score_mod(score, b, h, _global(rows, q_idx), _global(cols, kv_idx))
+
+    return global_score_mod
 
 
 #: ``when(keep, compute, state)``: ``compute(state)`` where the 0-d boolean array ``keep``
@@ -106,9 +133,12 @@ def _guarded(
     return state if backend.host_bool(keep) is False else compute(state)
 
 
-def function_of(mask_mod: Any) -> Callable[..., Any]:
-    """The function of a ``mask_mod`` (a block plan carries its own)."""
-    return getattr(mask_mod, "mask_mod", mask_mod)
+def user_mods(score_mod: Any, mask_mod: Any) -> UserMods | None:
+    """The ring's :class:`UserMods` (a block plan's function for ``mask_mod``), or None
+    where neither is given."""
+    if score_mod is None and mask_mod is None:
+        return None
+    return UserMods(score_mod=score_mod, mask_mod=getattr(mask_mod, "mask_mod", mask_mod))
 
 
 def ring_schedule(
@@ -149,21 +179,20 @@ def forward_blocks(
     k: Any,
     v: Any,
     ids: tuple[Any, Any] | None = None,
-    mask: Masking | None = None,
+    mods: Positioned | None = None,
     when: When | None = None,
 ) -> tuple[Any, Any]:
     """The running ``(out, lse)`` of the local query rows after ``blocks`` against the
     visiting ``k``, ``v`` (all in the compute dtype); ``ids``: the segment ids of the
-    local queries and of the visiting keys, or None; ``mask``: the ring's ``mask_mod``
-    with the global positions of both, or None; ``when``: how a block that shares no
+    local queries and of the visiting keys, or None; ``mods``: the ring's mods with the
+    global positions of both, or None; ``when``: how a block that shares no
     segment id is skipped (:data:`When`)."""
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
-        mods = _block_mods(ids, mask, block)
-        call = _block_call(options, block, qb, kb, vb, mods)
-
-        add = functools.partial(_add_block, xp, call, block, mods, (qb, kb, vb))
-        out, lse = _guarded(xp, call, mods, when, add, (out, lse))
+        block_mods = _block_mods(ids, mods, block)
+        call = _block_call(options, block, qb, kb, vb, block_mods)
+        add = functools.partial(_add_block, xp, call, block, block_mods, (qb, kb, vb))
+        out, lse = _guarded(xp, call, block_mods, when, add, (out, lse))
     return out, lse
 
 
@@ -185,29 +214,28 @@ def backward_blocks(
     k: Any,
     v: Any,
     ids: tuple[Any, Any] | None = None,
-    mask: Masking | None = None,
+    mods: Positioned | None = None,
     when: When | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(dq, dk, dv)`` after the gradients of ``blocks`` are added: ``dq`` of the local
     rows, ``dk``/``dv`` of the visiting shard (all in the compute dtype). ``saved``:
     ``(dout, q, out, lse, dlse)`` of the local rows, ``out`` and ``lse`` the global ones
     (every shard's keys merged); ``dlse`` the cotangent of the returned lse, or None.
-    ``ids``, ``mask`` and ``when`` as :func:`forward_blocks`'.
+    ``ids``, ``mods`` and ``when`` as :func:`forward_blocks`'.
     """
     dout, q, out, lse, dlse = saved
     for block in blocks:
         qb, kb, vb = _rows(q, block.rows), _rows(k, block.cols), _rows(v, block.cols)
-        mods = _block_mods(ids, mask, block)
-        call = _block_call(options, block, qb, kb, vb, mods)
-
+        block_mods = _block_mods(ids, mods, block)
+        call = _block_call(options, block, qb, kb, vb, block_mods)
         rows = (
             _rows(dout, block.rows),
             _rows(out, block.rows),
             _last(lse, block.rows),
             None if dlse is None else _last(dlse, block.rows),
         )
-        add = functools.partial(_add_gradients, xp, call, block, mods, (qb, kb, vb), rows)
-        grads = _guarded(xp, call, mods, when, add, grads)
+        add = functools.partial(_add_gradients, xp, call, block, block_mods, (qb, kb, vb), rows)
+        grads = _guarded(xp, call, block_mods, when, add, grads)
     return grads
 
 

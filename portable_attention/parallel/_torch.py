@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,8 +168,8 @@ class Ring:
     size: int
     plan: Schedule
     options: Options
-    #: The user's mask_mod (seeing global positions), or None.
-    mask_mod: Callable[..., Any] | None = None
+    #: The user's mods (seeing global positions), or None.
+    mods: _ring.UserMods | None = None
 
     def peer(self, shift: int) -> int:
         """The global rank ``shift`` places after this one in the group."""
@@ -226,17 +226,17 @@ class _Done(_Pending):
         return self.tensors
 
 
-def _masking(ring: Ring, q: Any, shift: int) -> _ring.Masking | None:
-    """The ring's ``mask_mod`` with the global positions of this rank's query rows and
-    of the keys it holds at a step of ``shift`` (None without a ``mask_mod``)."""
-    if ring.mask_mod is None:
+def _positioned(ring: Ring, q: Any, shift: int) -> _ring.Positioned | None:
+    """The ring's mods with the global positions of this rank's query rows and of the
+    keys it holds at a step of ``shift`` (None without mods)."""
+    if ring.mods is None:
         return None
     plan = ring.plan
     q_table = _layout.position_table(plan.q_length, ring.size, plan.layout)
     k_table = _layout.position_table(plan.k_length, ring.size, plan.layout)
     q_pos = torch.as_tensor(q_table[ring.rank], device=q.device)
     kv_pos = torch.as_tensor(k_table[(ring.rank - shift) % ring.size], device=q.device)
-    return ring.mask_mod, q_pos, kv_pos
+    return ring.mods, q_pos, kv_pos
 
 
 def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, Any]:
@@ -257,9 +257,9 @@ def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, 
         if blocks:
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             pair = None if ids is None else (ids, kv[2])
-            mask = _masking(ring, q, step.shift)
+            mods = _positioned(ring, q, step.shift)
             out, lse = _ring.forward_blocks(
-                xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mask
+                xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mods
             )
     return out, lse
 
@@ -290,9 +290,9 @@ def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[A
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             grads = (dq, acc[0], acc[1])
             pair = None if ids is None else (ids, kv[2])
-            mask = _masking(ring, q, step.shift)
+            mods = _positioned(ring, q, step.shift)
             dq, dk, dv = _ring.backward_blocks(
-                xp, blocks, ring.options, grads, local, kc, vc, pair, mask
+                xp, blocks, ring.options, grads, local, kc, vc, pair, mods
             )
             acc = [dk, dv]
         if upcoming is not None and after is not None:  # the accumulators follow their K/V
@@ -300,6 +300,75 @@ def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[A
             kv, held = upcoming.wait(), after
     dk, dv = send(ring, acc, -held, tag=ACC_TAG).wait()  # home to their owner
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Shift(torch.autograd.Function):
+    """K/V (and their ids) sent ``shift`` ranks ahead, differentiably: the gradient of
+    what arrived goes back ``shift`` ranks behind (a shift's transpose). Every rank runs
+    the same chain of shifts, so their backward sends meet in the same order."""
+
+    @staticmethod
+    def forward(ctx: Any, ring: Ring, shift: int, *tensors: Any) -> tuple[Any, ...]:
+        ctx.ring, ctx.shift = ring, shift
+        received = tuple(send(ring, tensors, shift).wait())
+        ctx.mark_non_differentiable(*(t for t in received if not t.is_floating_point()))
+        return received
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        floating = [i for i, g in enumerate(grads) if g is not None and g.is_floating_point()]
+        back = send(ctx.ring, [grads[i].contiguous() for i in floating], -ctx.shift).wait()
+        given: list[Any] = [None] * len(grads)
+        for i, g in zip(floating, back, strict=True):
+            given[i] = g
+        return (None, None, *given)
+
+
+def _forward_autograd(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, Any]:
+    """The ring's forward that autograd differentiates (a ``score_mod``): the blocks as
+    ``attend`` computes them under autograd, K/V moved by :class:`_Shift`. Saves what
+    autograd saves: every step's visiting K/V."""
+    xp = _xp()
+    compute = _spec.compute_dtype_for(xp, q.dtype)
+    qc = q.to(compute)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=compute, device=q.device)
+    lse = torch.full(q.shape[:-1], -torch.inf, dtype=compute, device=q.device)
+    held, kv = 0, [k, v] if ids is None else [k, v, ids]
+    for step in ring.plan.steps:
+        if step.shift != held:
+            kv, held = list(_Shift.apply(ring, step.shift - held, *kv)), step.shift
+        blocks = step.blocks[ring.rank]
+        if blocks:
+            pair = None if ids is None else (ids, kv[2])
+            mods = _positioned(ring, q, step.shift)
+            kc, vc = kv[0].to(compute), kv[1].to(compute)
+            out, lse = _ring.forward_blocks(
+                xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mods
+            )
+    if held:  # the last shift's backward must run on every rank, used or not
+        out = _Tie.apply(out, *kv)
+    return out.to(q.dtype), lse
+
+
+class _Tie(torch.autograd.Function):
+    """``out`` unchanged, with tensors it does not depend on as inputs of zero gradient:
+    the last K/V that arrived, so that the backward of their :class:`_Shift` (a send the
+    other ranks wait for) runs on every rank, whether its blocks used them or not."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Any, *tied: Any) -> Any:
+        ctx.tied = [(t.shape, t.dtype, t.device, t.is_floating_point()) for t in tied]
+        return out.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+        zeros = [
+            torch.zeros(shape, dtype=dtype, device=device) if floating else None
+            for shape, dtype, device, floating in ctx.tied
+        ]
+        return (grad, *zeros)
 
 
 class _RingFunction(torch.autograd.Function):
@@ -329,6 +398,7 @@ def ring_attend(
     layout: str,
     ids: Any = None,
     mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> Any:
     """The ring on torch tensors (checked by the caller, ``group`` resolved and the ranks
     agreeing): see :func:`portable_attention.parallel.ring_attend`."""
@@ -348,9 +418,14 @@ def ring_attend(
         size=size,
         plan=plan,
         options=call.options,
-        mask_mod=None if mask_mod is None else _ring.function_of(mask_mod),
+        mods=_ring.user_mods(score_mod, mask_mod),
     )
-    out, lse = _RingFunction.apply(q, k, v, ring, ids)
+    if score_mod is not None and torch.is_grad_enabled():
+        # The ring's backward cannot differentiate a score_mod: autograd does, through
+        # each block's checkpointed forward and differentiable shifts of K/V.
+        out, lse = _forward_autograd(ring, q, k, v, ids)
+    else:
+        out, lse = _RingFunction.apply(q, k, v, ring, ids)
     return (out, lse) if call.return_lse else out
 
 
