@@ -204,6 +204,11 @@ MODS = {
 }
 
 
+def _some_rows_empty(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Rows 3, 10, 17, ... keep no key; the others their document's."""
+    return (q_idx % 7 != 3) & (DOCS[q_idx] == DOCS[kv_idx])
+
+
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", parallel.LAYOUTS)
 @pytest.mark.parametrize("mod", MODS)
@@ -212,6 +217,15 @@ def test_ring_with_mask_mod_matches_one_device(shards: int, layout: str, mod: st
     of q, k, v equal one device's ``attend(mask_mod=...)`` to 1e-12 in float64; a block
     plan of the global lengths also drops the ring's empty blocks (same values)."""
     _check_ring(shards, layout, {"causal": True, "mask_mod": MODS[mod]()})
+
+
+@pytest.mark.parametrize("shards", [2, 8])
+@pytest.mark.parametrize("layout", parallel.LAYOUTS)
+def test_ring_mask_mod_with_a_window_and_rows_with_no_key(shards: int, layout: str) -> None:
+    """A window with a mask_mod that leaves rows without any key (GQA): those rows give
+    out 0 and lse -inf on every shard, the rest equal one device's."""
+    plan = pa.masks.block_plan(_some_rows_empty, 64, 64, block_size=8)
+    _check_ring(shards, layout, {"window": (6, 2), "mask_mod": plan}, heads=(4, 1))
 
 
 def test_ring_mask_mod_with_segment_ids_and_sinks() -> None:
