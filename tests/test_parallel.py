@@ -113,13 +113,12 @@ def test_block_plan_prunes_the_schedule_exactly(shards: int, layout: str, causal
     schedule_module = importlib.import_module("portable_attention.parallel._schedule")
     length = 96 * shards // 2
     mod, _docs = _documents_mod([length // 3, length // 2, length - length // 3 - length // 2])
-    plan = masks.block_plan(mod, length, length, block_size=8)
+    plan = masks.block_plan(mod, length, length, block_size=7)  # edges off the chunks
     full = schedule_module.schedule(shards, layout, length, length, causal, None)
     pruned = schedule_module.pruned(full, plan.layout)
     q_idx, k_idx = np.arange(length)[:, None], np.arange(length)[None, :]
     want = _global_band(length, length, causal, None) & mod(0, 0, q_idx, k_idx)
     covered = np.zeros((length, length), dtype=int)
-    kept_steps = {step.shift for step in pruned.steps}
     for step in full.steps:
         for r in range(shards):
             source = (r - step.shift) % shards
@@ -137,7 +136,6 @@ def test_block_plan_prunes_the_schedule_exactly(shards: int, layout: str, causal
                     assert mod(0, 0, rows[:, None], cols[None, :]).all(), "unmasked, not full"
                 covered[np.ix_(rows, cols)] += scores
     np.testing.assert_array_equal(covered, want.astype(int))
-    assert kept_steps <= {step.shift for step in full.steps}
     if layout == "contiguous" and shards >= 4:  # documents shorter than the ring: blocks go
         assert sum(len(b) for s in pruned.steps for b in s.blocks) < sum(
             len(b) for s in full.steps for b in s.blocks

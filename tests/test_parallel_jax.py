@@ -272,6 +272,24 @@ def test_ring_with_score_mod_and_traced_captures(shards: int, layout: str) -> No
         )
 
 
+def test_ring_score_mod_under_checked_vma_is_refused() -> None:
+    """Inside a shard_map with check_vma=True, JAX's autodiff would sum a captured
+    array's gradient inside the ring's branches on some shards only: a clear error."""
+    mesh = mesh_of(4)
+    q = jax.device_put(jnp.ones((1, 2, 64, 8)), NamedSharding(mesh, SEQ))
+
+    def local(q: Any) -> Any:
+        return parallel.ring_attend(q, q, q, axis_name="s", causal=True, score_mod=_halve)
+
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,), out_specs=SEQ)  # check_vma=True
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="check_vma=False"):
+        jax.jit(ring)(q)
+
+
+def _halve(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score * 0.5
+
+
 def _document_ids(key: object, shards: int, length: int, documents: int) -> np.ndarray:
     """``[2, length]`` ids of ``documents`` packed documents per row, each of a random
     length in multiples of ``2P`` (the per-document zigzag layout's condition)."""

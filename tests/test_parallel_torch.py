@@ -245,23 +245,26 @@ def _ring_score_mod(ctx: dict[str, Any]) -> None:
     import portable_attention as pa
     import torch
     import torch.distributed as dist
-    from portable_attention import parallel
+    from portable_attention import masks, parallel
 
     world, rank = ctx["world"], ctx["rank"]
     tol = ctx["tolerances"]["float64"]
     q, k, v, dout = _tensors("ring-score-mod", torch.float64, *[(2, 4, 64, 8)] * 3, (2, 4, 64, 8))
     docs = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 30, 14]))
 
-    def run(fn: Any, *args: Any, **options: Any) -> Any:
-        slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64, requires_grad=True)
-
+    def alibi_of(slopes: Any) -> Any:
         def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return score - slopes[h] * (q_idx - kv_idx).abs().to(score.dtype)
+
+        return alibi
+
+    def run(fn: Any, *args: Any, **options: Any) -> Any:
+        slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64, requires_grad=True)
 
         def documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return docs[q_idx] == docs[kv_idx]
 
-        out = fn(*args, causal=True, score_mod=alibi, mask_mod=documents, **options)
+        out = fn(*args, causal=True, score_mod=alibi_of(slopes), mask_mod=documents, **options)
         return out, slopes
 
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -277,6 +280,30 @@ def _ring_score_mod(ctx: dict[str, Any]) -> None:
         d_slopes = grads[3].clone()
         dist.all_reduce(d_slopes)  # each rank's queries' share of the slopes' gradient
         _close(f"dslopes ({layout})", d_slopes, ref_grads[3], tol)
+    # A loss of lse alone, and a rank whose rows keep no key (contiguous causal: rank 0
+    # has no block after the first step; the plan empties the last half's rows): every
+    # rank's backward runs, none waits, the gradients are one process's.
+    lq = q.shape[-2]
+
+    def first_half(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx < lq // 2
+
+    plan = masks.block_plan(first_half, lq, lq, block_size=8, like=q)
+    for name, extra in (("lse only", {}), ("rows with no key", {"mask_mod": plan})):
+        ref_lse = pa.attend(
+            *whole, causal=True, score_mod=alibi_of(ref_slopes), return_lse=True, **extra
+        )[1]
+        loss = torch.where(ref_lse.isinf(), 0, ref_lse).sum()
+        grads = torch.autograd.grad(loss, whole, allow_unused=True)  # lse needs no v
+        want = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, whole, strict=True)]
+        local = [_shard(x, world, rank, "contiguous").requires_grad_() for x in (q, k, v)]
+        _, lse = parallel.ring_attend(
+            *local, layout="contiguous", causal=True, score_mod=alibi_of(ref_slopes),
+            return_lse=True, **extra,
+        )  # fmt: skip
+        got = torch.autograd.grad(torch.where(lse.isinf(), 0, lse).sum(), local)
+        for g, r in zip(got, want, strict=True):
+            _close(f"gradient ({name})", g, _shard(r, world, rank, "contiguous"), tol)
 
 
 def _ulysses_mask_bias_weights(ctx: dict[str, Any]) -> None:
@@ -409,6 +436,16 @@ def _errors(ctx: dict[str, Any]) -> None:
             x, x, x, layout="document_zigzag", causal=True, segment_ids=odd if rank == 0 else good
         ),
     )
+
+    # A score_mod with grad mode on one rank only: the two backwards exchange differently.
+    def ring_with_score_mod() -> Any:
+        return parallel.ring_attend(x, x, x, score_mod=lambda s, b, h, i, j: s * 0.5)
+
+    def mixed_grad_mode() -> Any:
+        with torch.set_grad_enabled(rank != 0):
+            return ring_with_score_mod()
+
+    _expect(ValueError, r"`autograd route \(a score_mod with grad mode on\)`", mixed_grad_mode)
     # Segment ids on one rank only (they travel with K/V): every rank raises.
     ids = torch.zeros(8, dtype=torch.int64)
     _expect(

@@ -208,7 +208,10 @@ def ring_attend(
     if backend == "torch":
         link = module.resolve_group(group, q)
         travels = {"segment_ids": segment_ids}
-        options = _agree(module, link, q, k, v, given, layout, travels=travels, refused=refused)
+        route = {"autograd route (a score_mod with grad mode on)": module.differentiated(score_mod)}
+        options = _agree(
+            module, link, q, k, v, given, layout, travels=travels, refused=refused, extra=route
+        )
     else:
         if refused is not None:
             raise refused
@@ -416,6 +419,7 @@ def _agree(
     *,
     travels: dict[str, Any] | None = None,
     refused: Exception | None = None,
+    extra: dict[str, object] | None = None,
 ) -> _options.Options:
     """torch.distributed: every rank of the group holds shards of one shape and dtype and
     passes the same options (normalised: ``causal=True`` and ``"lower_right"`` agree, as
@@ -425,7 +429,7 @@ def _agree(
     Arrays that ``travels`` names go around the ring with K/V (the ring's segment ids):
     their shapes enter the exchange too, None where absent. ``refused``: what this rank
     found wrong with its own shard's arrays (the per-document layout's ids), raised on
-    every rank after the exchange.
+    every rank after the exchange. ``extra``: more values the ranks must agree on.
     Returns the normalised options (checked once, here)."""
     invalid: Exception | None = None
     try:
@@ -439,6 +443,7 @@ def _agree(
     agreed["layout"] = layout
     agreed["invalid options"] = None if invalid is None else str(invalid)
     agreed["refused shard arrays"] = None if refused is None else str(refused)
+    agreed.update(extra or {})
     module.check_agreement(link, {"q": q, "k": k, "v": v, **(travels or {})}, agreed)
     if invalid is not None:  # on every rank alike: the exchange compared it
         raise invalid

@@ -14,6 +14,7 @@ accumulators, which return to their owner at the end.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -215,20 +216,30 @@ def _backward(
 
 
 def _captures_tracer(fn: Any, depth: int = 3) -> bool:
-    """Whether ``fn`` closes over a traced array (a jit argument), looking into its
-    closure's containers and the functions it closes over, ``depth`` levels deep."""
+    """Whether ``fn`` holds a traced array (a jit argument): in its closure, in a
+    ``functools.partial``'s arguments, in a bound method's or a callable object's
+    attributes, and in the functions those hold, ``depth`` levels deep."""
     seen = [fn]
     for _ in range(depth):
-        found = []
+        found: list[Any] = []
         for item in seen:
+            held: list[Any] = []
             for cell in getattr(item, "__closure__", None) or ():
                 try:
-                    value = cell.cell_contents
+                    held.append(cell.cell_contents)
                 except ValueError:  # a cell not yet filled
                     continue
+            if isinstance(item, functools.partial):
+                held += [item.func, *item.args, *item.keywords.values()]
+            owner = getattr(item, "__self__", None)
+            if owner is not None:
+                held.append(owner)
+            if not isinstance(item, types.FunctionType):
+                held += list(getattr(item, "__dict__", {}).values())
+            for value in held:
                 if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
                     return True
-                if callable(value):
+                if callable(value) or hasattr(value, "__dict__"):
                     found.append(value)
         seen = found
     return False
@@ -269,10 +280,25 @@ def _differentiated_ring(
     arrays. It saves what autodiff saves: every step's visiting K/V."""
 
     def ring(q: Any, k: Any, v: Any, *ids: Any) -> tuple[Any, Any]:
+        if axis_name in _varying_axes(q):
+            raise _checked_vma_error()
         out, lse = _forward(axis_name, plan, options, user, q, k, v, *ids)
         return out.astype(q.dtype), lse
 
     return ring
+
+
+def _checked_vma_error() -> ValueError:
+    """Under ``check_vma=True`` autodiff puts the psum of a replicated capture's gradient
+    inside the ring's ``lax.switch``/``lax.cond`` branches, where only some shards run it:
+    wrong gradients, then shards waiting in different collectives."""
+    msg = (
+        "ring_attend with a `score_mod` (or a `mask_mod` that closes over traced arrays) "
+        "is differentiated by JAX's autodiff, which inside `jax.shard_map(..., "
+        "check_vma=True)` would sum a captured array's gradient on some shards only: pass "
+        "check_vma=False to your shard_map (sharded_attend does)."
+    )
+    return ValueError(msg)
 
 
 def ring_attend(

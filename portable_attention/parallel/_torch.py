@@ -346,29 +346,37 @@ def _forward_autograd(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tu
             out, lse = _ring.forward_blocks(
                 xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mods
             )
-    if held:  # the last shift's backward must run on every rank, used or not
-        out = _Tie.apply(out, *kv)
+    # Every rank's backward must run the last shift's (a send the others wait for), and
+    # out and lse need a gradient path to q, k, v where no block touched them.
+    out, lse = _Tie.apply(out, lse, q, k, v, *(kv if held else ()))
     return out.to(q.dtype), lse
 
 
+def differentiated(score_mod: object) -> bool:
+    """Whether the ring runs the forward that autograd differentiates (a ``score_mod``
+    with grad mode on): the ranks must agree, their backwards exchange differently."""
+    return score_mod is not None and torch.is_grad_enabled()
+
+
 class _Tie(torch.autograd.Function):
-    """``out`` unchanged, with tensors it does not depend on as inputs of zero gradient:
-    the last K/V that arrived, so that the backward of their :class:`_Shift` (a send the
-    other ranks wait for) runs on every rank, whether its blocks used them or not."""
+    """``(out, lse)`` unchanged, with tensors they need not depend on as inputs of zero
+    gradient: q, k, v (a rank whose blocks were all skipped) and the last K/V that
+    arrived, so that the backward of their :class:`_Shift` runs on every rank, whatever
+    the loss uses of ``out`` and ``lse``."""
 
     @staticmethod
-    def forward(ctx: Any, out: Any, *tied: Any) -> Any:
+    def forward(ctx: Any, out: Any, lse: Any, *tied: Any) -> tuple[Any, Any]:
         ctx.tied = [(t.shape, t.dtype, t.device, t.is_floating_point()) for t in tied]
-        return out.clone()
+        return out.clone(), lse.clone()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, d_out: Any, d_lse: Any) -> tuple[Any, ...]:
         zeros = [
             torch.zeros(shape, dtype=dtype, device=device) if floating else None
             for shape, dtype, device, floating in ctx.tied
         ]
-        return (grad, *zeros)
+        return (d_out, d_lse, *zeros)
 
 
 class _RingFunction(torch.autograd.Function):
@@ -420,7 +428,7 @@ def ring_attend(
         options=call.options,
         mods=_ring.user_mods(score_mod, mask_mod),
     )
-    if score_mod is not None and torch.is_grad_enabled():
+    if differentiated(score_mod):
         # The ring's backward cannot differentiate a score_mod: autograd does, through
         # each block's checkpointed forward and differentiable shifts of K/V.
         out, lse = _forward_autograd(ring, q, k, v, ids)
