@@ -14,7 +14,9 @@ Prints, in one run:
 - ``jax``: 8 simulated JAX devices (``--xla_force_host_platform_device_count=8``, set
   here before JAX is imported): forward and forward+backward time of each method and
   layout against ``jax.jit`` of single-device ``attend`` on the same arrays (the same
-  total work), and each one's compiled temporaries per device (``memory_analysis()``).
+  total work), and each one's compiled temporaries per device (``memory_analysis()``);
+  the packed rows: 16 documents as ``segment_ids``, against ``attend(segment_ids=...)``
+  on one device and the causal ring without ids (every block computed).
 - ``target``: ``[1, 1, 65536, 64]`` float32 causal on the 8 devices, forward and
   backward: compile time, run time and temporaries per device (target: < 256 MiB).
 - ``torch``: 4 gloo ranks on 127.0.0.1 (one thread each): forward and forward+backward
@@ -222,6 +224,26 @@ def jax_section(length: int, heads: int, repeat: int) -> None:
                 sharded,
             )
         )
+    # Packed: 16 documents of random lengths, as segment ids (the ring skips, with a
+    # lax.cond on each device, the blocks where no query shares a document with a key).
+    ids = jax.numpy.asarray(_packing(length, 16, 16))
+    methods.append(
+        (
+            "attend(segment_ids), 1 device",
+            lambda q, k, v: pa.attend(q, k, v, causal=True, segment_ids=ids),
+            plain,
+        )
+    )
+    for layout in ("zigzag", "contiguous"):
+        methods.append(
+            (
+                f"ring {layout} packed, 8 devices",
+                lambda q, k, v, lo=layout: parallel.sharded_attend(
+                    q, k, v, mesh=mesh, axis="s", layout=lo, causal=True, segment_ids=ids
+                ),
+                sharded,
+            )
+        )
     rows, base = [], {}
     for name, fn, arrays in methods:
         forward, both = _jax_programs(fn)
@@ -241,7 +263,9 @@ def jax_section(length: int, heads: int, repeat: int) -> None:
             ]
         rows.append(cells)
     _table(
-        f"JAX, q,k,v {list(shape)} float32 causal, 8 simulated devices on {os.cpu_count()} cores",
+        f"JAX, q,k,v {list(shape)} float32 causal, 8 simulated devices on {os.cpu_count()} "
+        "cores; packed: 16 documents of random lengths (ratios against causal attend without "
+        "ids)",
         [
             "method",
             "fwd ms",
