@@ -165,7 +165,7 @@ def apply_score_mod(
     shape = user_shape(call, rows[1], cols[1])
     given = xp.reshape(s, shape)
     got = mods.score_mod(given, *indices(call, rows, cols))
-    check_score_mod_result(got, shape, s.dtype)
+    check_score_mod_result(got, shape, s.dtype, xp)
     return xp.reshape(got, tuple(s.shape))
 
 
@@ -217,10 +217,29 @@ def _cut(x: Any, span: tuple[Any, int]) -> Any:
     return x[..., start : start + n]
 
 
-def check_score_mod_result(got: Any, shape: tuple[int, ...], dtype: Any) -> None:
+def _check_framework(xp: Any, got: Any, name: str, inputs: str) -> None:
+    """Where a mod's result is refused: if it is another framework's array, a TypeError
+    that says so (a mod written with torch operations, called on NumPy index arrays,
+    returns a torch tensor whose dtype would otherwise be the puzzle in the message)."""
+    try:
+        returned = array_api_compat.array_namespace(got)
+    except TypeError:  # not an array: the caller's message says what to return
+        return
+    if returned is not xp:
+        framework = xp.__name__.removeprefix("array_api_compat.")
+        msg = (
+            f"`{name}` returned a {type_name(got)}, but {inputs} are {framework} arrays: "
+            "write it with its inputs' namespace (e.g. `xp = "
+            "array_api_compat.array_namespace(q_idx)`) or with the framework of q, k, v."
+        )
+        raise TypeError(msg)
+
+
+def check_score_mod_result(got: Any, shape: tuple[int, ...], dtype: Any, xp: Any) -> None:
     """A score_mod must return the scores' shape and dtype."""
     got_shape = getattr(got, "shape", None)
     if got_shape is None or tuple(got_shape) != shape or got.dtype != dtype:
+        _check_framework(xp, got, "score_mod", "its inputs (the scores, the index arrays)")
         what = f"{type_name(got)}" if got_shape is None else f"{shape_of(got)} {got.dtype}"
         hint = (
             "return `score` modified elementwise (e.g. `score + bias[h, q_idx, kv_idx]`), "
@@ -242,6 +261,7 @@ def check_mask_mod_result(xp: Any, got: Any, shape: tuple[int, ...]) -> None:
     """A mask_mod must return booleans that broadcast to the block's shape."""
     got_shape = getattr(got, "shape", None)
     if got_shape is None or not is_kind(xp, got.dtype, "bool"):
+        _check_framework(xp, got, "mask_mod", "its inputs (the index arrays)")
         what = type_name(got) if got_shape is None else f"dtype {got.dtype}"
         msg = (
             f"`mask_mod` must return a boolean array (True = may attend), got {what}; "

@@ -173,6 +173,13 @@ def normalize_window(window: object) -> tuple[int | None, int | None] | None:
         )
         raise ValueError(msg)
     ints = [None if side is None else as_int(side) for side in sides]
+    if -1 in ints and all(n is not None and n >= -1 for n in ints):
+        fix = tuple(None if n == -1 else n for n in ints)
+        msg = (
+            f"`window={window!r}`: -1 is flash-attn's unbounded side; here an unbounded side "
+            f"is None: pass window={fix!r}."
+        )
+        raise ValueError(msg)
     for side, number in zip(sides, ints, strict=True):
         if side is not None and (number is None or number < 0):
             why = "; a negative window keeps no key" if number is not None else ""
@@ -203,6 +210,12 @@ def check_scale(scale: object) -> float:
 def check_softcap(softcap: object) -> float:
     """A given ``softcap``: a finite number > 0."""
     value = real_number("softcap", softcap)
+    if value == 0:
+        msg = (
+            "`softcap=0.0` is flash-attn's 'off'; here no softcap is `softcap=None` (the "
+            "default): a softcap must be a finite number > 0."
+        )
+        raise ValueError(msg)
     if not 0 < value < math.inf:  # NaN fails both; as scale's, traceable
         msg = f"`softcap` must be a finite number > 0 (or None), got {softcap!r}."
         raise ValueError(msg)

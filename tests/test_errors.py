@@ -317,6 +317,38 @@ def test_window_invalid(first_backend: Backend, fn: Any, window: Any) -> None:
         fn(q, k, v, window=window)
 
 
+def test_flash_attn_conventions_name_the_fix(first_backend: Backend, fn: Any) -> None:
+    """flash-attn's -1 (an unbounded window side) and softcap=0.0 (off) are refused with
+    the spelling here."""
+    q, k, v = qkv(first_backend)
+    with pytest.raises(ValueError, match=re.escape("pass window=(None, 0)")):
+        fn(q, k, v, window=(-1, 0))
+    with pytest.raises(ValueError, match=re.escape("pass window=(None, None)")):
+        fn(q, k, v, window=(-1, -1))
+    with pytest.raises(ValueError, match=r"flash-attn's 'off'.*`softcap=None`"):
+        fn(q, k, v, softcap=0.0)
+
+
+def test_mod_returning_another_frameworks_array(first_backend: Backend) -> None:
+    """A mod written with another framework's operations: the message names the
+    framework it returned, not only a dtype."""
+    torch = pytest.importorskip("torch")
+    if first_backend.name == "torch":
+        pytest.skip("needs a backend other than torch")
+    q, k, v = qkv(first_backend)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return torch.ones((1, 1), dtype=torch.bool)
+
+    def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return torch.zeros(tuple(s.shape))
+
+    with pytest.raises(TypeError, match=r"`mask_mod` returned a torch.Tensor, but its inputs"):
+        attend(q, k, v, mask_mod=mask_mod)
+    with pytest.raises(TypeError, match=r"`score_mod` returned a torch.Tensor, but its inputs"):
+        attend(q, k, v, score_mod=score_mod)
+
+
 def test_rng_wrong_type(backend: Backend, fn: Any) -> None:
     q, k, v = qkv(backend)
     for bad in (backend.wrong_rng(), "seed"):
