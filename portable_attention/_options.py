@@ -176,8 +176,8 @@ def normalize_window(window: object) -> tuple[int | None, int | None] | None:
     if -1 in ints and all(n is not None and n >= -1 for n in ints):
         fix = tuple(None if n == -1 else n for n in ints)
         msg = (
-            f"`window={window!r}`: -1 is flash-attn's unbounded side; here an unbounded side "
-            f"is None: pass window={fix!r}."
+            f"`window` sides must be ints >= 0 or None (unbounded), got {window!r}: -1 is "
+            f"flash-attn's unbounded side, here None: pass window={fix!r}."
         )
         raise ValueError(msg)
     for side, number in zip(sides, ints, strict=True):

@@ -12,12 +12,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from portable_attention import _block_grid
 from portable_attention._core import DENSE_LIMIT_BYTES, SAVED_LIMIT_BYTES, dense_bytes
 from portable_attention._spec import Call, fused_unavailable_error
 from portable_attention.backends import adapter
 
 DENSE = "portable:dense"
 BLOCKWISE = "portable:blockwise"
+
+#: A window that keeps less than this share of the blockwise grid's blocks runs on the
+#: blockwise path, which computes only those, rather than on a path that computes every
+#: score (the dense path; on torch's CPU, SDPA with the band as a dense mask).
+WINDOW_DENSITY_LIMIT = 0.25
 
 
 #: Why a call of symbolic lengths takes the dense path (whatever its size).
@@ -49,8 +55,10 @@ class Plan:
         :func:`~portable_attention.attend_backward`: one kernel on every framework).
         ``implementation="portable"`` always gives a ``portable:*`` path; the reason
         says what chose the blockwise one (``chunk_size=``, a block plan that skips
-        blocks, dense scores over 256 MiB, or, for ``auto`` on torch and JAX, over 16
-        MiB of probabilities that autodiff would save). Earlier names:
+        blocks, a window that keeps under a quarter of the blocks, dense scores over 256
+        MiB, or, for ``auto`` on torch and JAX, over 16 MiB of probabilities that
+        autodiff would save; on torch's CPU, a window that SDPA would take as a dense
+        mask). Earlier names:
         ``native:*`` for ``tuned:*``/``per-chunk:dask``, ``portable`` for
         ``portable:dense`` and ``portable:chunked`` for one of the two spellings of
         ``portable:blockwise`` (docs/migrating.md).
@@ -74,6 +82,13 @@ def _portable(call: Call, why: str) -> Plan:
             f"{why}; the block plan of mask_mod keeps {len(plan.kept)} of its blocks "
             f"({plan.density:.0%}), so the blockwise path computes only those",
         )
+    density = window_density(call)
+    if density is not None and density < WINDOW_DENSITY_LIMIT:
+        return Plan(
+            BLOCKWISE,
+            f"{why}; the window keeps {density:.0%} of the blockwise grid's blocks, so the "
+            "blockwise path computes only those",
+        )
     if dense_bytes(call) > DENSE_LIMIT_BYTES:
         return Plan(
             BLOCKWISE,
@@ -90,6 +105,18 @@ def _portable(call: Call, why: str) -> Plan:
             "path runs (it saves q, k, v, out and lse and recomputes each block in backward)",
         )
     return Plan(DENSE, why)
+
+
+def window_density(call: Call) -> float | None:
+    """The share of the blockwise grid's blocks that a call's ``window`` (with its
+    ``causal``) keeps; None without a window, or on a grid of one block."""
+    if call.window is None or call.symbolic:
+        return None
+    size = _block_grid.block_size(call)
+    nq, nk = _block_grid.grid(call, size)
+    if nq * nk <= 1:
+        return None
+    return len(_block_grid.pairs(call, size)) / (nq * nk)
 
 
 @functools.lru_cache(maxsize=4096)

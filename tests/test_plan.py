@@ -170,3 +170,33 @@ def test_plan_follows_shapes(backend: Backend) -> None:
             out = attend(q, k, v, causal=True, implementation=implementation)
             ref = oracle.attention(*(backend.to_numpy(a) for a in (q, k, v)), causal=True)[0]
             assert_close(backend.to_numpy(out), ref, "float32")
+
+
+def test_narrow_windows_take_the_blockwise_path() -> None:
+    """A window that keeps few of the blockwise grid's blocks runs blockwise (which
+    computes only those), on torch's CPU instead of SDPA with the band as a dense mask;
+    a short sequence, a wide window and plain causal keep SDPA."""
+    torch = pytest.importorskip("torch")
+    long = torch.zeros(1, 8, 4096, 64)
+    narrow = plan(long, long, long, causal=True, window=(255, 0))
+    assert narrow.path == "portable:blockwise"
+    assert "SDPA takes the window as a dense mask" in narrow.reason
+    assert "keeps 12% of the blocks" in narrow.reason
+    assert plan(long, long, long, causal=True).path == "fused:torch"
+    assert plan(long, long, long, window=(3000, 3000)).path == "fused:torch"  # most blocks
+    short = torch.zeros(1, 8, 512, 64)
+    assert plan(short, short, short, causal=True, window=(63, 0)).path == "fused:torch"
+    # The same result either way (SDPA's, asked for, against auto's blockwise path).
+    q, k, v = (torch.randn(1, 2, 2048, 16, dtype=torch.float64) for _ in range(3))
+    assert plan(q, k, v, causal=True, window=(100, 0)).path == "portable:blockwise"
+    fused = attend(q, k, v, causal=True, window=(100, 0), implementation="fused")
+    torch.testing.assert_close(attend(q, k, v, causal=True, window=(100, 0)), fused)
+
+
+def test_portable_narrow_window_is_blockwise_on_every_backend(backend: Backend) -> None:
+    """``implementation="portable"`` with a window that keeps under a quarter of the
+    blocks takes the blockwise path, where the dense scores would fit."""
+    q = backend.asarray(np.zeros((1, 8, 2048, 64)), "float32")
+    got = plan(q, q, q, causal=True, window=(63, 0), implementation="portable")
+    assert got.path == "portable:blockwise"
+    assert "the window keeps" in got.reason
