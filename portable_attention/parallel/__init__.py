@@ -202,9 +202,8 @@ def ring_attend(
     module = _framework(backend, "ring_attend")
     refused = None
     if layout == _documents.DOCUMENT_ZIGZAG:
-        refused = _refuse_documents(
-            q, segment_ids, window, mask_mod if mask_mod is not None else score_mod
-        )
+        modded = mask_mod is not None or score_mod is not None
+        refused = _refuse_documents(q, segment_ids, window, modded)
     if backend == "torch":
         link = module.resolve_group(group, q)
         travels = {"segment_ids": segment_ids}
@@ -253,12 +252,12 @@ def _ring_of_halves(
     return _documents.take(xp, out, back, -2), _documents.take(xp, lse, back, -1)
 
 
-def _refuse_documents(q: Any, ids: Any, window: object, mask_mod: object) -> Exception | None:
+def _refuse_documents(q: Any, ids: Any, window: object, modded: bool) -> Exception | None:
     """What makes this shard's call in the per-document layout impossible (None:
     nothing), found before torch's ranks exchange their options so that every rank
     raises it, none waits."""
     try:
-        if ids is None or _options.normalize_window(window) is not None or mask_mod is not None:
+        if ids is None or _options.normalize_window(window) is not None or modded:
             msg = (
                 f"layout {_documents.DOCUMENT_ZIGZAG!r} balances packed documents under a "
                 "causal mask: it takes `segment_ids` (this shard's, in that layout) and no "

@@ -111,14 +111,19 @@ def _when(keep: Any, compute: Callable[[Any], Any], state: Any) -> Any:
     return jax.lax.cond(keep, compute, lambda unchanged: unchanged, state)
 
 
-def _positions(axis_name: Any, plan: Schedule, shift: int) -> tuple[Any, Any]:
+def _positions(axis_name: Any, plan: Schedule, user: Any) -> Callable[[int], tuple[Any, ...]]:
     """The global positions of this shard's query rows and of the keys it holds at a
-    step of ``shift`` (for the user's mods), from the layout's static table."""
+    step, by the step's shift (for the user's mods; nothing without them), from the
+    layout's tables, built once."""
+    if user is None:
+        return lambda shift: ()
     size = plan.num_shards
+    tables = tuple(
+        jnp.asarray(_layout.position_table(length, size, plan.layout))
+        for length in (plan.q_length, plan.k_length)
+    )
     me = jax.lax.axis_index(axis_name)
-    q_table = jnp.asarray(_layout.position_table(plan.q_length, size, plan.layout))
-    k_table = jnp.asarray(_layout.position_table(plan.k_length, size, plan.layout))
-    return q_table[me], k_table[(me - shift) % size]
+    return lambda shift: _ring.step_positions(tables, me, shift, size)
 
 
 def _forward(
@@ -151,6 +156,7 @@ def _forward(
         return step
 
     size = plan.num_shards
+    positions = _positions(axis_name, plan, user)
     held, kv = 0, (k, v) if ids is None else (k, v, ids)
     shifts = [s.shift for s in plan.steps]
     for i, step in enumerate(plan.steps):
@@ -161,8 +167,7 @@ def _forward(
         upcoming = None
         if i + 1 < len(shifts) and shifts[i + 1] != held:
             upcoming = _shift(axis_name, size, shifts[i + 1] - held, kv)
-        pos = () if user is None else _positions(axis_name, plan, step.shift)
-        out, lse = _per_shard(axis_name, step, run, out, lse, pos, *kv)
+        out, lse = _per_shard(axis_name, step, run, out, lse, positions(step.shift), *kv)
         if upcoming is not None:
             kv, held = upcoming, shifts[i + 1]
     return out, lse
@@ -201,6 +206,7 @@ def _backward(
         return step
 
     size = plan.num_shards
+    positions = _positions(axis_name, plan, user)
     held, kv = 0, (k, v) if ids is None else (k, v, ids)
     for step in plan.steps:
         if step.shift != held:
@@ -209,8 +215,7 @@ def _backward(
             kv = _shift(axis_name, size, step.shift - held, kv)
             dk, dv = _shift(axis_name, size, step.shift - held, (dk, dv))
             held = step.shift
-        pos = () if user is None else _positions(axis_name, plan, step.shift)
-        dq, dk, dv = _per_shard(axis_name, step, run, dq, dk, dv, pos, *kv)
+        dq, dk, dv = _per_shard(axis_name, step, run, dq, dk, dv, positions(step.shift), *kv)
     dk, dv = _shift(axis_name, size, -held, (dk, dv))  # home to their owners
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

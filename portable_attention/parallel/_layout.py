@@ -108,8 +108,11 @@ def global_spans(
 def position_table(length: int, num_shards: int, layout: str) -> np.ndarray:
     """``[P, L/P]`` int32: the global position of each local row of each shard (what a
     ring's ``mask_mod`` is called with)."""
-    rows = [positions(length, num_shards, layout, r) for r in range(num_shards)]
-    return np.asarray(rows, dtype=np.int32).reshape(num_shards, length // num_shards)
+    rows = [
+        np.concatenate([np.arange(a, b) for a, b in chunks(length, num_shards, layout, r)])
+        for r in range(num_shards)
+    ]
+    return np.stack(rows).astype(np.int32)
 
 
 def positions(length: int, num_shards: int, layout: str, shard: int) -> list[int]:

@@ -53,6 +53,14 @@ class UserMods:
 Positioned = tuple[UserMods, Any, Any]
 
 
+def step_positions(tables: tuple[Any, Any], shard: Any, shift: int, size: int) -> tuple[Any, Any]:
+    """The global positions of shard ``shard``'s query rows and of the keys it holds at a
+    step of ``shift``, from the layout's ``[P, L/P]`` tables of queries and keys
+    (:func:`~._layout.position_table`, built once per call); ``shard`` may be traced."""
+    q_table, k_table = tables
+    return q_table[shard], k_table[(shard - shift) % size]
+
+
 def _block_call(options: Options, block: Block, q: Any, k: Any, v: Any, mods: Mods | None) -> Call:
     """The call of one block: the ring's options with the block's band and ``lse``, on
     slices of the arrays the ring's call validated (nothing checked again). With segment

@@ -170,6 +170,9 @@ class Ring:
     options: Options
     #: The user's mods (seeing global positions), or None.
     mods: _ring.UserMods | None = None
+    #: With mods: the layout's ``[P, L/P]`` tables of query and key positions, on the
+    #: tensors' device (built once per call).
+    positions: tuple[Any, Any] | None = None
 
     def peer(self, shift: int) -> int:
         """The global rank ``shift`` places after this one in the group."""
@@ -226,17 +229,12 @@ class _Done(_Pending):
         return self.tensors
 
 
-def _positioned(ring: Ring, q: Any, shift: int) -> _ring.Positioned | None:
+def _positioned(ring: Ring, shift: int) -> _ring.Positioned | None:
     """The ring's mods with the global positions of this rank's query rows and of the
     keys it holds at a step of ``shift`` (None without mods)."""
-    if ring.mods is None:
+    if ring.mods is None or ring.positions is None:
         return None
-    plan = ring.plan
-    q_table = _layout.position_table(plan.q_length, ring.size, plan.layout)
-    k_table = _layout.position_table(plan.k_length, ring.size, plan.layout)
-    q_pos = torch.as_tensor(q_table[ring.rank], device=q.device)
-    kv_pos = torch.as_tensor(k_table[(ring.rank - shift) % ring.size], device=q.device)
-    return ring.mods, q_pos, kv_pos
+    return ring.mods, *_ring.step_positions(ring.positions, ring.rank, shift, ring.size)
 
 
 def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, Any]:
@@ -257,7 +255,7 @@ def _forward(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tuple[Any, 
         if blocks:
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             pair = None if ids is None else (ids, kv[2])
-            mods = _positioned(ring, q, step.shift)
+            mods = _positioned(ring, step.shift)
             out, lse = _ring.forward_blocks(
                 xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mods
             )
@@ -290,7 +288,7 @@ def _backward(ring: Ring, saved: Sequence[Any], dout: Any, dlse: Any) -> tuple[A
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             grads = (dq, acc[0], acc[1])
             pair = None if ids is None else (ids, kv[2])
-            mods = _positioned(ring, q, step.shift)
+            mods = _positioned(ring, step.shift)
             dq, dk, dv = _ring.backward_blocks(
                 xp, blocks, ring.options, grads, local, kc, vc, pair, mods
             )
@@ -341,7 +339,7 @@ def _forward_autograd(ring: Ring, q: Any, k: Any, v: Any, ids: Any = None) -> tu
         blocks = step.blocks[ring.rank]
         if blocks:
             pair = None if ids is None else (ids, kv[2])
-            mods = _positioned(ring, q, step.shift)
+            mods = _positioned(ring, step.shift)
             kc, vc = kv[0].to(compute), kv[1].to(compute)
             out, lse = _ring.forward_blocks(
                 xp, blocks, ring.options, out, lse, qc, kc, vc, pair, mods
@@ -420,13 +418,19 @@ def ring_attend(
         lk, size, layout, name=f"the global key sequence ({size} shards of {k.shape[-2]})"
     )
     plan = _ring.ring_schedule(call, size, layout, lq, lk, mask_mod)
+    mods = _ring.user_mods(score_mod, mask_mod)
+    positions = None
+    if mods is not None:
+        tables = (_layout.position_table(n, size, layout) for n in (lq, lk))
+        positions = tuple(torch.as_tensor(t, device=q.device) for t in tables)
     ring = Ring(
         group=resolved,
         rank=rank,
         size=size,
         plan=plan,
         options=call.options,
-        mods=_ring.user_mods(score_mod, mask_mod),
+        mods=mods,
+        positions=positions,
     )
     if differentiated(score_mod):
         # The ring's backward cannot differentiate a score_mod: autograd does, through
