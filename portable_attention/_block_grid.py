@@ -79,6 +79,14 @@ def partners(todo: list[tuple[int, int]], count: int, *, by_keys: bool) -> list[
     return table
 
 
+def padded(table: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """:func:`partners`' table made rectangular (each row padded with zeros to the
+    longest, at least one column) and each row's count of partners: what a compiled inner
+    loop indexes with a traced block number."""
+    width = max([1, *map(len, table)])
+    return [row + [0] * (width - len(row)) for row in table], [len(row) for row in table]
+
+
 Span = tuple[Any, int]  # (start, length) of a block on an axis; start may be traced
 
 

@@ -7,60 +7,21 @@ path (:mod:`portable_attention.backends.torch_sdpa`, imported when first planned
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from portable_attention import _block_grid, _blockwise, _spec
 from portable_attention._block_math import BlockMath
-from portable_attention._core import KeepMask
 from portable_attention._options import from_fields, to_fields
 from portable_attention.backends._base import Adapter, Kernel, MemoKeys
 
+if TYPE_CHECKING:
+    from portable_attention._core import KeepMask
+    from portable_attention.backends.torch_rng import SeededKeep
+
 NAME = "torch"
 RNG = "a torch.Generator on the arrays' device (or None for torch's global RNG)"
-
-
-def _keep_mask(rng: Any, p: float, device: Any) -> Any:
-    """Keep mask drawn with ``torch.rand`` on ``device`` from ``rng``."""
-    if rng is not None and not isinstance(rng, torch.Generator):
-        raise _spec.rng_type_error(NAME, RNG, rng)
-    if rng is not None and torch.device(rng.device).type != torch.device(device).type:
-        raise _spec.rng_device_error(rng.device, device)
-
-    def draw(shape: tuple[int, ...]) -> Any:
-        return torch.rand(shape, generator=rng, device=device) >= p
-
-    return draw
-
-
-#: Spreads block numbers over the 63-bit seeds of the per-block generators (2**64 / phi).
-_GOLDEN = 0x9E37_79B9_7F4A_7C15
-
-
-@dataclass(frozen=True)
-class SeededKeep:
-    """The blockwise path's keep masks (a ``_blockwise.BlockKeep``): block ``b``'s is drawn
-    by a generator on ``device`` seeded with a mix of ``seed`` and ``b``. The seed (an int)
-    is all the backward needs to draw the forward's masks again."""
-
-    seed: int
-    p: float
-    device: Any
-
-    def __call__(self, block: Any, shape: tuple[int, ...]) -> Any:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed((self.seed + int(block) * _GOLDEN) % 2**63)
-        return torch.rand(shape, generator=gen, device=self.device) >= self.p
-
-
-def _block_keep(rng: Any, p: float, device: Any) -> SeededKeep:
-    """One seed drawn from ``rng`` (torch's global RNG when None) now: see :class:`SeededKeep`."""
-    _keep_mask(rng, p, device)  # the same checks
-    where = rng.device if rng is not None else device
-    seed = int(torch.randint(0, 2**62, (1,), generator=rng, device=where).item())
-    return SeededKeep(seed, p, torch.device(device))
 
 
 # ------------------------------------------------------------------------------------------
@@ -91,7 +52,11 @@ def _from_schema(
     options = from_fields(schema[:-1])
     call = _spec.describe(options, q, k, v, mask=mask, bias=bias)
     seed = schema[-1]
-    return call, None if seed < 0 else SeededKeep(seed, options.dropout, q.device)
+    if seed < 0:
+        return call, None
+    from portable_attention.backends.torch_rng import SeededKeep
+
+    return call, SeededKeep(seed, options.dropout, q.device)
 
 
 class InPlaceMath(BlockMath):
@@ -190,34 +155,6 @@ def _fits(block: Any, x: Any) -> bool:
     )
 
 
-def _forward_impl(q: Any, k: Any, v: Any, mask: Any, bias: Any, *schema: Any) -> tuple[Any, Any]:
-    call, keep = _from_schema(q, k, v, mask, bias, schema)
-    out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep, math=InPlaceMath(call.xp))
-    return out.contiguous(), lse.contiguous()
-
-
-def _backward_impl(
-    dout: Any,
-    dlse: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
-    mask: Any,
-    bias: Any,
-    want_dbias: bool,
-    *schema: Any,
-) -> tuple[Any, Any, Any, Any]:
-    call, keep = _from_schema(q, k, v, mask, bias, schema)
-    grads = _blockwise.backward(
-        call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
-        math=InPlaceMath(call.xp),
-    )  # fmt: skip
-    dbias = grads.dbias if grads.dbias is not None else q.new_empty((0,))
-    return grads.dq, grads.dk, grads.dv, dbias
-
-
 _HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
 _forward_op: Any = None
 _backward_op: Any = None
@@ -240,9 +177,10 @@ if _HAS_CUSTOM_OP:
         size: int,
         seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward_impl(
-            q, k, v, mask, bias, causal, left, right, windowed, scale, softcap, dropout, size, seed
-        )
+        schema = (causal, left, right, windowed, scale, softcap, dropout, size, seed)
+        call, keep = _from_schema(q, k, v, mask, bias, schema)
+        out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep, math=InPlaceMath(call.xp))
+        return out.contiguous(), lse.contiguous()
 
     @_forward_op.register_fake
     def _(q: Any, k: Any, v: Any, mask: Any, bias: Any, *schema: Any) -> tuple[Any, Any]:
@@ -274,10 +212,14 @@ if _HAS_CUSTOM_OP:
         size: int,
         seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward_impl(
-            dout, dlse, q, k, v, out, lse, mask, bias, want_dbias,
-            causal, left, right, windowed, scale, softcap, dropout, size, seed,
+        schema = (causal, left, right, windowed, scale, softcap, dropout, size, seed)
+        call, keep = _from_schema(q, k, v, mask, bias, schema)
+        grads = _blockwise.backward(
+            call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
+            math=InPlaceMath(call.xp),
         )  # fmt: skip
+        dbias = grads.dbias if grads.dbias is not None else q.new_empty((0,))
+        return grads.dq, grads.dk, grads.dv, dbias
 
     @_backward_op.register_fake
     def _(
@@ -323,9 +265,7 @@ class BlockwiseFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
         q, k, v, mask, bias, call, keep, mods = inputs
         ctx.save_for_backward(q, k, v, *output, mask, bias)
-        ctx.call = call
-        ctx.keep = keep
-        ctx.mods = mods
+        ctx.call, ctx.keep, ctx.mods = call, keep, mods
 
     @staticmethod
     def backward(ctx: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
@@ -347,11 +287,6 @@ class BlockwiseFunction(torch.autograd.Function):
             mods=mods, math=math,
         )  # fmt: skip
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None, None, None
-
-
-def _host_bool(x: Any) -> bool | None:
-    """A 0-d bool tensor as a Python bool; None while torch.compile traces."""
-    return None if torch.compiler.is_compiling() else bool(x)
 
 
 def _checkpointed(
@@ -401,10 +336,14 @@ class TorchAdapter(Adapter):
         return KERNEL
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
-        return _keep_mask(rng, p, device)
+        from portable_attention.backends.torch_rng import keep_mask
+
+        return keep_mask(self.name, self.rng, rng, p, device)
 
     def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> SeededKeep:
-        return _block_keep(rng, p, device)
+        from portable_attention.backends.torch_rng import block_keep
+
+        return block_keep(self.name, self.rng, rng, p, device)
 
     def blockwise(
         self,
@@ -438,7 +377,8 @@ class TorchAdapter(Adapter):
         return InPlaceMath(xp)
 
     def host_bool(self, x: Any) -> bool | None:
-        return _host_bool(x)
+        # None while torch.compile traces: the blocks are then computed, not skipped.
+        return None if torch.compiler.is_compiling() else bool(x)
 
     def to_host(self, x: Any) -> Any:
         return x.detach().cpu().numpy()
@@ -481,21 +421,9 @@ def _memo_qkv_key(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
     if q.is_nested or k.is_nested or v.is_nested:
         return None
     return (
-        type(k),
-        type(v),
-        q.shape,
-        q.dtype,
-        q.device,
-        q.layout,
-        k.shape,
-        k.dtype,
-        k.device,
-        k.layout,
-        v.shape,
-        v.dtype,
-        v.device,
-        v.layout,
-    )
+        type(k), type(v), q.shape, q.dtype, q.device, q.layout, k.shape, k.dtype, k.device,
+        k.layout, v.shape, v.dtype, v.device, v.layout,
+    )  # fmt: skip
 
 
 ADAPTER = TorchAdapter()
