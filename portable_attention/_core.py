@@ -36,11 +36,11 @@ KeepMask = Callable[[tuple[int, ...]], Any]
 CHUNK_BUDGET = 1 << 20
 
 #: ``scores(q, k) -> q @ k^T``: an adapter's faster formulation of the scores' matmul
-#: (JAX: an einsum), passed to :func:`dense` and :func:`chunked`; None for the standard
+#: (JAX: an einsum), passed to :func:`block_scores`; None for the standard
 #: ``matmul(q, matrix_transpose(k))``.
 Scores = Callable[[Any, Any], Any]
 
-#: Above this many bytes of dense scores, ``auto`` takes the chunked portable path.
+#: Above this many bytes of dense scores, ``auto`` takes the blockwise path.
 DENSE_LIMIT_BYTES = 256 << 20
 
 #: On a framework with autodiff (torch, JAX), above this many bytes of dense scores

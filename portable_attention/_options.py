@@ -232,7 +232,7 @@ def check_chunk_size(chunk_size: object, return_weights: bool) -> int | None:
         raise ValueError(msg)
     if return_weights:
         msg = (
-            "`chunk_size` asks for the chunked path, which never holds the whole weight "
+            "`chunk_size` asks for the blockwise path, which never holds the whole weight "
             "matrix: drop `return_weights=True` or `chunk_size`."
         )
         raise ValueError(msg)

@@ -58,7 +58,7 @@ def band(
 
     ``p(i)`` is query i's aligned key position: ``i + (Lk - Lq)`` for "lower_right",
     ``i`` for "upper_left". ``None`` leaves a side unbounded. ``rows``/``cols``
-    (``(start, stop)``) select a block of the grid; the core's chunked path uses them.
+    (``(start, stop)``) select a block of the grid; the blockwise path uses them.
     """
     q0, q1 = rows if rows is not None else (0, lq)
     k0, k1 = cols if cols is not None else (0, lk)

@@ -1491,28 +1491,76 @@ def test_block_plan_skipped_blocks_are_not_computed(backend: Backend) -> None:
     assert sorted(_grid_blocks(mask_calls)) == sorted(partial)
 
 
-@pytest.mark.parametrize("form", ["function", "block_plan"])
+@pytest.mark.parametrize("form", ["function", "block_plan", "score_mod", "score_mod_blocks"])
 def test_a_call_keeps_no_mod_alive(backend: Backend, form: str) -> None:
     """FlexAttention's document-mask pattern: a fresh ``mask_mod`` per batch, closing over
-    that batch's document ids. Once the calls have returned, nothing of the package holds
-    a mod, its block plan or what it captured (on a GPU that would be device memory); the
-    calls still agree with the dense mask."""
+    that batch's document ids (or a fresh ``score_mod`` closing over a bias per key, on
+    the default path and block by block). Once the calls have returned, nothing of the
+    package holds a mod, its block plan or what it captured (on a GPU that would be
+    device memory); the calls still agree with the dense mask (or bias)."""
     lq = 16
     q = backend.asarray(randn(rng_for("keeps-no-mod", lq), (1, 2, lq, 4)), "float32")
     alive = []
     for batch in range(4):
-        ids_np = np.arange(lq) // (2 + batch)
-        capture = Capture(backend.asarray(ids_np))
+        if form.startswith("score_mod"):
+            bias_np = np.arange(lq, dtype=np.float32) * 0.1 * (batch + 1)
+            capture = Capture(backend.asarray(bias_np, "float32"))
 
-        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any, c: Capture = capture) -> Any:
-            return c.value[q_idx] == c.value[kv_idx]
+            def score(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any, c: Capture = capture) -> Any:
+                return s + c.value[kv_idx]
 
-        m = mod if form == "function" else block_plan(mod, lq, lq, block_size=8, like=q)
-        out = attend(q, q, q, mask_mod=m)
-        dense = attend(q, q, q, mask=backend.asarray(ids_np[:, None] == ids_np[None, :]))
+            blocks = {"chunk_size": 8} if form == "score_mod_blocks" else {}
+            out = attend(q, q, q, score_mod=score, **blocks)
+            dense = attend(q, q, q, bias=backend.asarray(bias_np[None, :], "float32"))
+            del score
+        else:
+            ids_np = np.arange(lq) // (2 + batch)
+            capture = Capture(backend.asarray(ids_np))
+
+            def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any, c: Capture = capture) -> Any:
+                return c.value[q_idx] == c.value[kv_idx]
+
+            m = mod if form == "function" else block_plan(mod, lq, lq, block_size=8, like=q)
+            out = attend(q, q, q, mask_mod=m)
+            dense = attend(q, q, q, mask=backend.asarray(ids_np[:, None] == ids_np[None, :]))
+            del mod, m
         assert_close(backend.to_numpy(out), backend.to_numpy(dense), "float32")
         alive.append(weakref.ref(capture))
-        del capture, mod, m, out
+        del capture, out
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)
+
+
+@requires_backend("jax")
+def test_jax_score_mod_gradient_keeps_no_capture_alive() -> None:
+    """Under ``jax.grad``, JAX's blockwise path passes the arrays a ``score_mod`` captures
+    as explicit inputs of its ``custom_vjp``: they get the gradients of the dense path's
+    bias, and nothing holds them once the gradients are computed."""
+    import jax
+    import jax.numpy as jnp
+
+    lq = 16
+    q = jnp.asarray(randn(rng_for("keeps-no-capture", lq), (1, 2, lq, 4)))
+    alive = []
+    for batch in range(3):
+        capture = Capture(jnp.asarray(np.arange(lq) * 0.1 * (batch + 1), q.dtype))
+
+        def loss(q: Any, bias: Any) -> Any:
+            def score(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return s + bias[kv_idx]
+
+            return attend(q, q, q, score_mod=score, chunk_size=8).sum()
+
+        def dense(q: Any, bias: Any) -> Any:
+            return attend(q, q, q, bias=bias[None, :], implementation="portable").sum()
+
+        got = jax.grad(loss, (0, 1))(q, capture.value)
+        want = jax.grad(dense, (0, 1))(q, capture.value)
+        assert got[0].dtype == jnp.float64
+        for g, w in zip(got, want, strict=True):
+            assert_close(np.asarray(g), np.asarray(w), "float64")
+        alive.append(weakref.ref(capture))
+        del capture, got, want
     gc.collect()
     assert [r() is None for r in alive] == [True] * len(alive)
 

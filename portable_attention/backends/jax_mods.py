@@ -15,9 +15,30 @@ from portable_attention import _block_grid, _blockwise, _mods, _spec
 from portable_attention._block_loop import BlockLoop
 
 
+def _closure_converted(score_mod: Any, example: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """``score_mod`` as ``score(s, b, h, q_idx, kv_idx, *consts)`` and its ``consts``: the
+    floating-point arrays it captures (what can have a gradient), traced once on
+    ``example``'s types. What ``jax.closure_convert`` does, without its process-wide cache,
+    which keeps every converted function and what it captured until ``jax.clear_caches()``:
+    a call must not keep a user's arrays alive after it returns."""
+    closed = jax.make_jaxpr(score_mod)(*example)
+    found = closed.consts
+    explicit = [i for i, c in enumerate(found) if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+
+    def score(*args_and_consts: Any) -> Any:
+        args, given = args_and_consts[: len(example)], args_and_consts[len(example) :]
+        consts = list(found)
+        for i, c in zip(explicit, given, strict=True):
+            consts[i] = c
+        (out,) = jax.core.eval_jaxpr(closed.jaxpr, consts, *args)
+        return out
+
+    return score, tuple(found[i] for i in explicit)
+
+
 @dataclass(frozen=True)
 class _ScoreGrad:
-    """A ``score_mod`` closure-converted (``jax.closure_convert``) into ``score(s, b, h,
+    """A ``score_mod`` closure-converted (:func:`_closure_converted`) into ``score(s, b, h,
     q_idx, kv_idx, *consts)``, so the arrays it captures are explicit inputs of the
     ``custom_vjp`` and get their gradients (``_blockwise.ScoreGrad``)."""
 
@@ -58,7 +79,7 @@ def modded_blockwise(
         size = _block_grid.block_size(call, loop)
         example_s = jnp.zeros(_mods.user_shape(call, size, size), call.compute_dtype)
         example = _mods.indices(call, (0, size), (0, size))
-        converted, consts = jax.closure_convert(mods.score_mod, example_s, *example)
+        converted, consts = _closure_converted(mods.score_mod, (example_s, *example))
     arrays = (mods.q_ids, mods.kv_ids, mods.q_pos, mods.kv_pos)
 
     def grad_of(ids: Any, c: Any) -> _ScoreGrad:

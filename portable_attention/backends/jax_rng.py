@@ -23,7 +23,7 @@ def _is_key(rng: Any) -> bool:
     return rng.dtype == jnp.uint32 and rng.shape == (2,)  # raw PRNGKey
 
 
-#: Folded into the caller's key for the keys of the chunked path's blocks after the first.
+#: Folded into the caller's key for the keys of a drawer's draws after the first.
 _BLOCK_STREAM = 0x7A11_B10C
 
 
@@ -37,7 +37,7 @@ def keep_mask(framework: str, rng_text: str, rng: Any, p: float) -> Any:
     draws = 0
 
     def draw(shape: tuple[int, ...]) -> Any:
-        # The chunked path draws once per block: each draw after the first takes its own
+        # A kernel that draws once per block: each draw after the first takes its own
         # key, or every block would get the same keep pattern. The keys descend from one
         # folded with _BLOCK_STREAM, not from rng's fold_in(rng, 1), (rng, 2), ... that a
         # caller may use for other draws.
