@@ -27,9 +27,34 @@ def sides(
     return left, right
 
 
+def align_of(causal: str | None) -> str:
+    """The alignment of causal and window masks for normalised ``causal``: upper-left only
+    when asked for."""
+    return "upper_left" if causal == "upper_left" else "lower_right"
+
+
 def offset(lq: int, lk: int, align: str) -> int:
     """``p(0)``: query 0's aligned key position (``Lk - Lq`` lower-right, else 0)."""
     return lk - lq if align == "lower_right" else 0
+
+
+def distances(rows: tuple[int, int], cols: tuple[int, int], offset: int) -> tuple[int, int]:
+    """The smallest and largest ``j - (i + offset)`` over the block of query rows ``rows``
+    and key columns ``cols`` (each ``(start, stop)``): the diagonals the block holds."""
+    return cols[0] - (rows[1] - 1) - offset, (cols[1] - 1) - rows[0] - offset
+
+
+def widest(lq: Any, lk: Any) -> int:
+    """A side no distance on the ``[Lq, Lk]`` grid exceeds, ``Lq + Lk``: a larger side keeps
+    what an unbounded one keeps, and clamped to it, it cannot overflow (or wrap in) an
+    integer dtype. Symbolic lengths (an export with dynamic shapes) cannot be added to a
+    Python int: then int32's largest, past any length an index array holds."""
+    return lq + lk if type(lq) is int and type(lk) is int else _INT32_MAX
+
+
+def clamped(side: int | None, wide: int) -> int | None:
+    """``side`` clamped to :func:`widest`'s ``wide`` (None stays unbounded)."""
+    return None if side is None else min(side, wide)
 
 
 def within(distance: Any, left: int | None, right: int | None) -> Any:
@@ -49,11 +74,5 @@ def keep_at(
     """Whether query positions ``i`` keep key positions ``j`` (broadcasting integer arrays;
     a kernel's may start at a traced offset) on the ``[Lq, Lk]`` grid; None where both
     sides are unbounded."""
-    # No distance on the grid exceeds lq + lk: larger sides mean unbounded, and clamping
-    # keeps them from overflowing (or wrapping in) the framework's integer dtype. Symbolic
-    # lengths (an export with dynamic shapes) cannot be compared: the bound is then
-    # int32's largest, past any length an index array holds.
-    bound = lq + lk if type(lq) is int and type(lk) is int else _INT32_MAX
-    left = None if left is None else min(left, bound)
-    right = None if right is None else min(right, bound)
-    return within(j - (i + offset(lq, lk, align)), left, right)
+    wide = widest(lq, lk)
+    return within(j - (i + offset(lq, lk, align)), clamped(left, wide), clamped(right, wide))

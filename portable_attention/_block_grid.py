@@ -62,7 +62,7 @@ def pairs(call: Call, size: int) -> list[tuple[int, int]]:
         (qi, ki)
         for qi in range(nq)
         for ki in range(nk)
-        if not _core._block_is_empty(call, span(lq, size, qi), span(lk, size, ki))
+        if not _core.block_is_empty(call, span(lq, size, qi), span(lk, size, ki))
         and (kept is None or (qi, ki) in kept)
     ]
 

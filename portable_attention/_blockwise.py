@@ -130,7 +130,7 @@ def forward(
     adapter's primitives where not given (:func:`_primitives`).
     """
     if call.k_shape[-2] == 0 or call.q_shape[-2] == 0:
-        out, _, lse = _core._empty_keys(call, q, k, v)
+        out, _, lse = _core.empty_keys(call, q, k, v)
         return out, lse
     xp, ct = call.xp, call.compute_dtype
     scores, host_bool, math, loop = _primitives(

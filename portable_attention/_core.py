@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from portable_attention import _checks, _mods
+from portable_attention import _band, _checks, _mods
 from portable_attention import masks as _masks
 from portable_attention._block_math import BlockMath
 from portable_attention._mods import Mods
@@ -143,8 +143,7 @@ def band_keeps_all(call: Call) -> bool:
 def _distances(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:
     """The smallest and largest ``j - p(i)`` over a block: key j's distance from query i's
     aligned position (key j is kept when ``-left <= j - p(i) <= right``)."""
-    offset = call.band_offset
-    return cols[0] - (rows[1] - 1) - offset, (cols[1] - 1) - rows[0] - offset
+    return _band.distances(rows, cols, call.band_offset)
 
 
 def key_span(call: Call, rows: tuple[int, int]) -> tuple[int, int]:
@@ -202,7 +201,7 @@ def band_mask(
 
 
 def fused_mask(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
-    """``(allowed, is_causal)`` for fused kernels whose causal flag is upper-left (SDPA,
+    """``(allow, is_causal)`` for fused kernels whose causal flag is upper-left (SDPA,
     jax.nn): the boolean mask of ``mask``, ``causal`` and ``window`` together, or
     ``(None, True)`` where the kernel's own flag is exact and alone: causal with no mask,
     bias or window, and ``Lq == Lk`` or upper-left alignment (no row is then empty).
@@ -218,10 +217,10 @@ def fused_operand(call: Call, mask: Any, bias: Any) -> tuple[Any, bool]:
     """``(attn_mask, is_causal)`` for kernels that take one mask operand, boolean or
     additive (torch SDPA): :func:`fused_mask`, with ``bias`` where given (``-inf`` where
     the boolean mask drops a score)."""
-    keep, is_causal = fused_mask(call, mask, bias)
-    if bias is None or keep is None:
-        return (keep if bias is None else bias), is_causal
-    return call.xp.where(keep, bias, -call.xp.inf), False
+    allow, is_causal = fused_mask(call, mask, bias)
+    if bias is None or allow is None:
+        return (allow if bias is None else bias), is_causal
+    return call.xp.where(allow, bias, -call.xp.inf), False
 
 
 def allow_mask(
@@ -239,7 +238,7 @@ def allow_mask(
     return mask if band is None else (mask & band)
 
 
-def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+def block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
     if not call.global_band:
         return False
@@ -326,7 +325,7 @@ def block_scores(
     return s, t
 
 
-def _empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+def empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """Lk == 0 (every row is fully masked) or Lq == 0: static shapes, decided without data.
 
     ``out = (q @ k^T) @ v`` sums over an empty axis: exact zeros that autograd connects to
@@ -378,17 +377,17 @@ def dense(
     ``causal`` and ``window`` (JAX's query blocks, whose offset is traced).
     """
     if call.k_shape[-2] == 0:
-        return _empty_keys(call, q, k, v)
+        return empty_keys(call, q, k, v)
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
-    keep = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
+    allow = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
     if mods is not None:
         extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
         if extra is not None:
-            keep = extra if keep is None else keep & extra
+            allow = extra if allow is None else allow & extra
     s, _ = block_scores(
-        call, ops.q, ops.k, (0, lq), (0, lk), bias=ops.bias, mods=mods, allow=keep,
+        call, ops.q, ops.k, (0, lq), (0, lk), bias=ops.bias, mods=mods, allow=allow,
         math=BlockMath(xp), scores=scores,
     )  # fmt: skip
     if guarded is None:

@@ -102,7 +102,7 @@ class Call:
     @property
     def align(self) -> str:
         """The alignment of causal and window masks: upper-left only when asked for."""
-        return "upper_left" if self.causal == "upper_left" else "lower_right"
+        return _band.align_of(self.causal)
 
     @property
     def band_sides(self) -> tuple[int | None, int | None]:
@@ -198,6 +198,7 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
     xp, backend, framework = _type_info(first_name, first)
     framework.check_array(first_name, first)
     device = framework.device(first)
+    placed = framework.placement
     for name, x in present[1:]:
         if _type_info(name, x)[0] is not xp:
             msg = (
@@ -208,22 +209,15 @@ def check_arrays(**arrays: Any) -> tuple[Any, str, Any]:
             raise TypeError(msg)
         framework.check_array(name, x)
         dev = framework.device(x)
-        if device is not None and dev is not None and _placement(dev) != _placement(device):
+        if device is not None and dev is not None and placed(dev) != placed(device):
             msg = (
                 f"`{name}` is on device {dev!r} but `{first_name}` is on {device!r}: move "
                 "all arrays to one device first."
             )
             raise ValueError(msg)
-    if _placement(device) is not device:  # sharded: JAX places what the call makes, as in jit
+    if placed(device) is not device:  # sharded: JAX places what the call makes, as in jit
         device = None
     return xp, backend, device
-
-
-def _placement(device: Any) -> Any:
-    """Where an array lives, for comparing arrays: a JAX array on several devices reports
-    its sharding as its device, and compares by the set of devices (q sharded by batch
-    with k and v replicated share their devices; JAX computes on them as they are)."""
-    return getattr(device, "device_set", device)
 
 
 def compute_dtype_for(xp: Any, dtype: Any) -> Any:
@@ -401,7 +395,7 @@ def describe(
     slices of arrays it checked): shapes, dtypes and device read, nothing checked again."""
     xp, backend, framework = _type_info("q", q)
     device = framework.device(q)
-    if _placement(device) is not device:  # sharded: as check_arrays
+    if framework.placement(device) is not device:  # sharded: as check_arrays
         device = None
     qs = shape_of(q)
     return Call(

@@ -226,6 +226,12 @@ class Adapter(ABC):
         """The device of array ``x``."""
         return array_api_compat.device(x)
 
+    def placement(self, device: Any) -> Any:
+        """Where an array on ``device`` (as :meth:`device` gives it) lives, for comparing
+        arrays' devices; not ``device`` itself where the array spans several devices (the
+        call then leaves placing what it makes to the framework). By default ``device``."""
+        return device
+
     def caches_type(self, x: Any) -> bool:
         """Whether what ``x``'s type says (namespace, framework, this adapter) may be
         cached by type; not for JAX's float0 gradients, which are NumPy arrays."""

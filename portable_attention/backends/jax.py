@@ -238,6 +238,12 @@ class JaxAdapter(Adapter):
     def block_loop(self, call: _spec.Call) -> BlockLoop:
         return _LOOP
 
+    def placement(self, device: Any) -> Any:
+        # A sharded array reports its sharding as its device, and compares by its set of
+        # devices: q sharded by batch with k and v replicated share them, and JAX computes
+        # on them as they are.
+        return getattr(device, "device_set", device)
+
     def caches_type(self, x: Any) -> bool:
         return type(x).__module__ != "numpy"  # JAX's float0 gradients are NumPy arrays
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from portable_attention import _core, _mods, _spec
+from portable_attention import _band, _core, _mods, _spec
 from portable_attention._block_loop import unstacked
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Kernel
@@ -71,7 +71,7 @@ def _portable_preferred(call: _spec.Call) -> str | None:
 
 
 def _cudnn_qualifies(
-    call: _spec.Call, allowed: Any, bias: Any, window: tuple[int, int] | None
+    call: _spec.Call, allow: Any, bias: Any, window: tuple[int, int] | None
 ) -> bool:
     """cuDNN's fused kernel: half precision on an NVIDIA GPU, head size a multiple of 8 up
     to 128, no mask or bias to pass, keys and queries present, and a window only with
@@ -83,7 +83,7 @@ def _cudnn_qualifies(
         and half
         and d % 8 == 0
         and d <= 128
-        and allowed is None
+        and allow is None
         and bias is None
         and min(call.q_shape[-2], call.k_shape[-2]) > 0
         and (window is None or call.causal is not None)
@@ -106,7 +106,7 @@ def _local_window(call: _spec.Call, mask: Any, bias: Any) -> tuple[int, int] | N
     if _core.band_keeps_all(call) or not (lq == lk or (call.align == "upper_left" and lq <= lk)):
         return None
     left, right = _core.window_sides(call)
-    wide = lq + lk
+    wide = _band.widest(lq, lk)
     return (wide if left is None else min(left, wide), wide if right is None else min(right, wide))
 
 
@@ -131,31 +131,31 @@ def _run_fused(call: _spec.Call, q: Any, k: Any, v: Any, mask: Any, bias: Any) -
     batch = math.prod(lead)
     window = _local_window(call, mask, bias)
     if window is not None:
-        allowed, is_causal = None, call.causal is not None
+        allow, is_causal = None, call.causal is not None
     else:
-        allowed, is_causal = _core.fused_mask(call, mask, bias)
-    allowed4 = None if allowed is None else _scores_operand(allowed, lead, batch)
+        allow, is_causal = _core.fused_mask(call, mask, bias)
+    allow4 = None if allow is None else _scores_operand(allow, lead, batch)
     bias4 = None if bias is None else _scores_operand(bias, lead, batch)
     if bias4 is not None:
         # -inf bias entries join the mask: a row of -inf scores is NaN in jax.nn's softmax,
         # and its gradient stays NaN through the repair below (0 * NaN).
         finite = bias4 > -jnp.inf
-        allowed4 = finite if allowed4 is None else (allowed4 & finite)
+        allow4 = finite if allow4 is None else (allow4 & finite)
         bias4 = jnp.where(finite, bias4, 0)
     out = jax.nn.dot_product_attention(
         _to_btnh(q, batch),
         _to_btnh(k, batch),
         _to_btnh(v, batch),
         bias=bias4,
-        mask=allowed4,
+        mask=allow4,
         scale=call.scale,
         is_causal=is_causal,
         local_window_size=window,
-        implementation="cudnn" if _cudnn_qualifies(call, allowed, bias, window) else None,
+        implementation="cudnn" if _cudnn_qualifies(call, allow, bias, window) else None,
     )
     out = jnp.swapaxes(out, 1, 2)  # [B, H, Lq, Dv]
-    if allowed4 is not None:
-        out = jnp.where(jnp.any(allowed4, axis=-1, keepdims=True), out, 0)
+    if allow4 is not None:
+        out = jnp.where(jnp.any(allow4, axis=-1, keepdims=True), out, 0)
     return jnp.reshape(out, (*call.q_shape[:-1], call.v_shape[-1]))
 
 
@@ -206,7 +206,7 @@ def _blocked(
     """:func:`_run_tuned`'s computation."""
     lq, rows = call.q_shape[-2], _BLOCK_ROWS
     # causal/window become one mask up front: a block's offset is traced inside the map.
-    allowed = _core.allow_mask(call, mask)
+    allow = _core.allow_mask(call, mask)
     blocks = lq // rows
 
     def dense_rows(qb: Any, start: Any, n: int, guarded: bool | None) -> tuple[Any, Any, Any]:
@@ -215,7 +215,7 @@ def _blocked(
             qb,
             k,
             v,
-            _rows(allowed, start, n, lq),
+            _rows(allow, start, n, lq),
             _rows(bias, start, n, lq),
             scores=adapter("jax").scores(jnp),
             guarded=guarded,
@@ -237,7 +237,7 @@ def _blocked(
     )
     if lq % rows:
         done = blocks * rows
-        guarded = None if allowed is None and bias is None else True
+        guarded = None if allow is None and bias is None else True
         tail = dense_rows(q[..., done:, :], done, lq - done, guarded)
         out, weights, lse = (
             None if x is None else jnp.concatenate([x, t], axis=axis + 1)

@@ -186,16 +186,16 @@ def _block(
     if ops.mask is None and mods is None:
         row_max = _mask_band(call, s, rows, cols) or row_max
     else:
-        allowed = _core.allow_mask(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
+        allow = _core.allow_mask(call, _core.block_of(ops.mask, rows, cols), rows=rows, cols=cols)
         if mods is not None:
             spans = ((rows[0], rows[1] - rows[0]), (cols[0], lk))
             segments = _mods.block_mask(call, mods, *spans, tuple(s.shape))
-            allowed = segments if allowed is None else allowed & segments
-        if allowed is not None:
-            np.copyto(s, -np.inf, where=~np.broadcast_to(allowed, s.shape))
+            allow = segments if allow is None else allow & segments
+        if allow is not None:
+            np.copyto(s, -np.inf, where=~np.broadcast_to(allow, s.shape))
             # A row with no key would fail the row sums' check: go straight to the max
             # pass (a pass over the booleans, against a second pass over the scores).
-            row_max = row_max or not allowed.any(axis=-1).all()
+            row_max = row_max or not allow.any(axis=-1).all()
     guarded = _core.rows_may_be_empty(call)
     m = None
     if row_max or keep is not None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from portable_attention import _block_grid, _blockwise, _spec
+from portable_attention import _band, _block_grid, _blockwise, _spec
 from portable_attention._block_math import BlockMath
 from portable_attention._options import from_fields, to_fields
 from portable_attention.backends._base import Adapter, Kernel, MemoKeys
@@ -39,7 +39,7 @@ _Schema = tuple[str, int, int, bool, float, float, float, int, int]
 
 def _to_schema(call: _spec.Call, keep: SeededKeep | None) -> _Schema:
     """The custom operators' arguments for ``call`` (:func:`_from_schema` inverts it)."""
-    size, wide = _block_grid.block_size(call), call.q_shape[-2] + call.k_shape[-2]
+    size, wide = _block_grid.block_size(call), _band.widest(call.q_shape[-2], call.k_shape[-2])
     fields = to_fields(call.options, scale=call.scale, chunk_size=size, wide=wide)
     return (*fields, -1 if keep is None else keep.seed)
 

@@ -125,8 +125,7 @@ def band_of(
     when ``-left <= j - (i + offset) <= right`` (as :func:`portable_attention.attend`:
     causal caps ``right`` at 0; lower-right alignment unless ``"upper_left"``)."""
     left, right = _band.sides(causal, window)
-    align = "upper_left" if causal == "upper_left" else "lower_right"
-    offset = _band.offset(q_length, k_length, align)
+    offset = _band.offset(q_length, k_length, _band.align_of(causal))
     return (
         math.inf if left is None else float(left),
         math.inf if right is None else float(right),
@@ -145,8 +144,7 @@ class _Pair:
 
     def clip(self, band: Band) -> tuple[float, float] | None:
         """The diagonals of ``band`` this rectangle holds (None: none)."""
-        dmin = self.cols[0] - (self.rows[1] - 1)
-        dmax = (self.cols[1] - 1) - self.rows[0]
+        dmin, dmax = _band.distances(self.rows, self.cols, 0)
         lo, hi = max(band[0], dmin), min(band[1], dmax)
         return (lo, hi) if lo <= hi else None
 
