@@ -275,7 +275,7 @@ def check_attention(
             results.append(CaseResult(name, CASES[name], "departs", (str(err),)))
             continue
         except Exception as err:  # the function under test raised: that case's verdict
-            text = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            text = _first_line(f"{type(err).__name__}: {err}")
             results.append(CaseResult(name, CASES[name], "error", (text,)))
             continue
         verdict = "departs" if departures else "ok"
@@ -285,6 +285,15 @@ def check_attention(
     if raise_on_departure and not report.ok:
         raise AssertionError(str(report))
     return report
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """An exception's first line, its start and end kept where it is longer than
+    ``limit`` (a C++ assertion puts the reason last)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    if len(line) <= limit:
+        return line
+    return f"{line[: limit // 3]} ... {line[-(limit - limit // 3 - 5) :]}"
 
 
 def _ok_details(notes: list[str]) -> str:
