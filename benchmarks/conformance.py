@@ -33,7 +33,6 @@ import os
 import platform
 import subprocess
 import sys
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -203,7 +202,12 @@ def _mlx() -> Built:
     mx = _need("mlx.core")
 
     def mlx_sdpa(
-        q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: Any = None, causal: bool = False,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        *,
+        mask: Any = None,
+        causal: bool = False,
         sinks: Any = None,
     ) -> np.ndarray:
         arrays = [mx.array(a) for a in (q, k, v)]
@@ -231,12 +235,13 @@ def _onnxruntime() -> Built:
     from onnx import TensorProto, helper
 
     @functools.lru_cache(maxsize=64)
-    def session(
-        shapes: tuple[tuple[int, ...], ...], dtype: str, masked: bool, causal: bool
-    ) -> Any:
+    def session(shapes: tuple[tuple[int, ...], ...], dtype: str, masked: bool, causal: bool) -> Any:
         elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
         names = ["Q", "K", "V"] + (["attn_mask"] if masked else [])
-        inputs = [helper.make_tensor_value_info(n, elem, s) for n, s in zip("QKV", shapes)]
+        inputs = [
+            helper.make_tensor_value_info(n, elem, s)
+            for n, s in zip("QKV", shapes[:3], strict=True)
+        ]
         if masked:
             inputs.append(helper.make_tensor_value_info("attn_mask", TensorProto.BOOL, shapes[3]))
         node = helper.make_node("Attention", names, ["Y"], is_causal=int(causal))
@@ -251,7 +256,11 @@ def _onnxruntime() -> Built:
         )
 
     def ort_attention(
-        q: np.ndarray, k: np.ndarray, v: np.ndarray, *, attn_mask: Any = None,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        *,
+        attn_mask: Any = None,
         is_causal: bool = False,
     ) -> np.ndarray:
         feeds = {"Q": q, "K": k, "V": v}
@@ -379,7 +388,10 @@ KERNELS: tuple[Kernel, ...] = (
         _attend("torch", implementation="portable"),
     ),
     Kernel(
-        "attend-torch-chunked", "attend, torch, chunk_size=4", ("torch",), _attend("torch", chunk_size=4)
+        "attend-torch-chunked",
+        "attend, torch, chunk_size=4",
+        ("torch",),
+        _attend("torch", chunk_size=4),
     ),
     Kernel("attend-jax", "attend, JAX (jit), auto", ("jax", "jaxlib"), _attend("jax")),
     Kernel(
