@@ -328,15 +328,12 @@ def _attend(backend: str, **options: Any) -> Callable[[], Built]:
         _need(backend)
         from portable_attention import attend
 
-        fn: Callable[..., Any] = functools.partial(attend, **options) if options else attend
-        if backend == "jax":
+        run: Callable[..., Any] = attend
+        if backend == "jax":  # jitted: one compile per case instead of eager op by op
             jax = sys.modules["jax"]
             statics = ("causal", "window", "return_lse", "chunk_size", "implementation")
-            fn = functools.partial(
-                jax.jit(attend, static_argnames=statics), return_lse=True, **options
-            )
-        else:
-            fn = functools.partial(attend, return_lse=True, **options)
+            run = jax.jit(attend, static_argnames=statics)
+        fn = functools.partial(run, return_lse=True, **options)
         fn.__qualname__ = "attend"  # type: ignore[attr-defined]
         return fn, {
             "backend": backend,
