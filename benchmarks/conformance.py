@@ -661,13 +661,71 @@ def render(results: Sequence[KernelResult], kernels: Sequence[Kernel]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# -- batch invariance of this package's own paths --------------------------------------------
+
+#: ``(label, backend, attend's path options)``: the paths docs/contract.md reports on.
+PATHS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("NumPy, auto", "numpy", {}),
+    ("NumPy, implementation='portable'", "numpy", {"implementation": "portable"}),
+    ("NumPy, chunk_size=128", "numpy", {"chunk_size": 128}),
+    ("torch, auto", "torch", {}),
+    ("torch, implementation='portable'", "torch", {"implementation": "portable"}),
+    ("torch, chunk_size=128", "torch", {"chunk_size": 128}),
+    ("JAX (jit), auto", "jax", {}),
+    ("JAX (jit), implementation='portable'", "jax", {"implementation": "portable"}),
+    ("JAX (jit), chunk_size=128", "jax", {"chunk_size": 128}),
+)
+
+
+def batch_invariance(shape: tuple[int, int, int, int] = (4, 8, 1024, 64)) -> list[str]:
+    """Markdown rows: per path of ``attend``, sequence 2 alone against the same sequence in
+    the batch (float32, causal), the largest difference (0: bitwise) and ``plan()``'s
+    path, and whether two runs of the batch are bitwise equal."""
+    from portable_attention import attend, plan
+    from portable_attention.testing import to_backend, to_numpy
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    rows = ["| path | plan() | alone vs in the batch | run to run |", "| --- | --- | --- | --- |"]
+    for label, backend, options in PATHS:
+        try:
+            _need(backend)
+        except Unavailable as err:
+            rows.append(f"| {label} | | skipped: {err} | |")
+            continue
+        run: Callable[..., Any] = functools.partial(attend, causal=True, **options)
+        if backend == "jax":
+            run = sys.modules["jax"].jit(run)
+
+        def out(*arrays: np.ndarray, run: Callable[..., Any] = run, backend: str = backend) -> Any:
+            return to_numpy(run(*(to_backend(a, backend) for a in arrays)))
+
+        batch = out(q, k, v)
+        alone = out(q[2:3], k[2:3], v[2:3])
+        again = out(q, k, v)
+        diff = float(np.max(np.abs(batch[2:3] - alone)))
+        path = plan(*(to_backend(a, backend) for a in (q, k, v)), causal=True, **options).path
+        shown = "bitwise equal" if diff == 0 else f"{diff:.2g}"
+        repeat = "bitwise equal" if np.array_equal(batch, again) else "differs"
+        rows.append(f"| {label} | `{path}` | {shown} | {repeat} |")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", nargs="*", help="only these kernels (keys)")
     parser.add_argument("--cases", nargs="*", help="only these cases")
     parser.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(ROOT)}")
     parser.add_argument("--json", action="store_true", help="one JSON line per kernel")
+    parser.add_argument(
+        "--batch-invariance",
+        action="store_true",
+        help="print attend's paths, alone vs in a batch of 4 ([4, 8, 1024, 64] causal)",
+    )
     args = parser.parse_args(argv)
+    if args.batch_invariance:
+        print("\n".join(batch_invariance()))
+        return 0
     unknown = [k for k in args.kernel or () if k not in BY_KEY]
     if unknown:
         parser.error(f"unknown kernels {unknown}; known: {', '.join(BY_KEY)}")
