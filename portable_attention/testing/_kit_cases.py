@@ -612,7 +612,7 @@ def _bitwise(a: np.ndarray, b: np.ndarray) -> bool:
 def _case_batch_invariance(fn: Callable[..., Any], conv: Conventions) -> Verdict:
     """Sequence 2 alone against the same sequence inside a batch of 4 (causal if taken):
     the two outputs against each other, not against the reference."""
-    q, k, v = _qkv(np.random.default_rng([SEED, 13]), conv.dtype, 2, 2, 256, 256, b=4, d=64)
+    q, k, v = _qkv(np.random.default_rng([SEED, 13]), conv.dtype, 2, 2, 1024, 1024, b=4, d=64)
     causal = conv.causal is not None
     in_batch = _out_of(fn, conv, _Inputs(q, k, v, causal=causal))[2:3]
     q1, k1, v1 = (np.ascontiguousarray(a[2:3]) for a in (q, k, v))
@@ -665,7 +665,7 @@ CASES: Mapping[str, str] = {
     "grad_empty_rows": "gradients with rows with no key: finite, dq 0 on them, dk and dv "
     "as the reference's (torch and jax autodiff)",
     "grad_sinks": "gradients of the sinks case, d(sinks) included (needs `sinks=` and autodiff)",
-    "batch_invariance": "sequence 2 alone vs inside a batch of 4 ([4, 2, 256, 64], causal "
+    "batch_invariance": "sequence 2 alone vs inside a batch of 4 ([4, 2, 1024, 64], causal "
     "where taken): within tolerance of each other; the notes say whether bitwise",
     "determinism": "the same call 3 times: bitwise equal outputs",
 }
