@@ -323,10 +323,11 @@ def _transformers_eager() -> Built:
     return hf_eager, {"backend": "torch", "mask": "attention_mask", "causal": None}
 
 
-def _attend(backend: str, **options: Any) -> Callable[[], Built]:
-    """``attend`` on ``backend`` with path ``options``; ``chunk_size=None`` stands for 8
-    on the kit's short cases (several blocks) and 128 past 64 keys (the batch case's
-    ``L = 1024``, where blocks of 8 would take minutes)."""
+def _attend(backend: str, lse: bool = True, **options: Any) -> Callable[[], Built]:
+    """``attend`` on ``backend`` with path ``options``, its lse returned (``lse``) or not
+    (torch's auto path then takes SDPA); ``chunk_size=None`` stands for 8 on the kit's
+    short cases (several blocks) and 128 past 64 keys (the batch case's ``L = 1024``,
+    where blocks of 8 would take minutes)."""
 
     def build() -> Built:
         _need(backend)
@@ -343,15 +344,11 @@ def _attend(backend: str, **options: Any) -> Callable[[], Built]:
         def fn(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
             if chunked:
                 kwargs["chunk_size"] = 8 if k.shape[-2] <= 64 else 128
-            return run(q, k, v, return_lse=True, **fixed, **kwargs)
+            return run(q, k, v, return_lse=lse, **fixed, **kwargs)
 
         fn.__qualname__ = "attend"
-        return fn, {
-            "backend": backend,
-            "window": "window",
-            "sinks": "sinks",
-            "returns": ("out", "lse"),
-        }
+        returns = {"returns": ("out", "lse")} if lse else {}
+        return fn, {"backend": backend, "window": "window", "sinks": "sinks", **returns}
 
     return build
 
@@ -375,7 +372,7 @@ ORT_F16 = (
 JAX_DV = "its docstring: value should have the same shape as key (no Dv != Dk)"
 
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("attend-numpy", "attend, NumPy, auto (tuned:numpy)", ("numpy",), _attend("numpy")),
+    Kernel("attend-numpy", "attend, NumPy, auto", ("numpy",), _attend("numpy")),
     Kernel(
         "attend-numpy-portable",
         'attend, NumPy, implementation="portable"',
@@ -388,7 +385,18 @@ KERNELS: tuple[Kernel, ...] = (
         ("numpy",),
         _attend("numpy", chunk_size=None),
     ),
-    Kernel("attend-torch", "attend, torch, auto (fused:torch)", ("torch",), _attend("torch")),
+    Kernel(
+        "attend-torch",
+        "attend, torch, auto, out only (SDPA where it covers the call)",
+        ("torch",),
+        _attend("torch", lse=False),
+    ),
+    Kernel(
+        "attend-torch-lse",
+        "attend, torch, auto, return_lse=True",
+        ("torch",),
+        _attend("torch"),
+    ),
     Kernel(
         "attend-torch-portable",
         'attend, torch, implementation="portable"',

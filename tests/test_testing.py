@@ -1309,6 +1309,70 @@ def test_check_attention_flags_mean_v_and_nan_on_rows_with_no_key() -> None:
     )
 
 
+def test_check_attention_window_and_sinks_cases_name_the_slip() -> None:
+    def swapped(q: Any, k: Any, v: Any, *, window: Any = None, **kw: Any) -> Any:
+        return attend(q, k, v, window=window[::-1], **kw)
+
+    report = check_attention(swapped, window="window", cases=["window"])
+    assert report["window"].details[-1] == "it matches left and right swapped: window=(1, 3)"
+
+    def no_sinks(q: Any, k: Any, v: Any, *, sinks: Any = None, **kw: Any) -> Any:
+        return attend(q, k, v, **kw)
+
+    report = check_attention(no_sinks, sinks="sinks", cases=["sinks", "window"])
+    assert report["sinks"].details[-1] == "it matches no sinks at all (the sinks ignored)"
+    assert report["window"].details == ("the function takes no window (window=None)",)
+    assert "sinks='sinks'" in report.conventions
+
+
+def test_check_attention_determinism_and_batch_invariance() -> None:
+    noise = np.random.default_rng(5)
+
+    def jittery(q: Any, k: Any, v: Any, **kw: Any) -> Any:
+        out = attend(q, k, v, **kw)
+        return out + np.float32(1e-7) * noise.standard_normal(out.shape).astype(np.float32)
+
+    report = check_attention(jittery, cases=["determinism", "batch_invariance"])
+    assert report["determinism"].verdict == "departs"
+    assert report["determinism"].details[0].endswith(": not deterministic")
+    assert report["batch_invariance"].verdict == "ok"  # within tolerance
+    assert (
+        report["batch_invariance"]
+        .details[0]
+        .startswith("alone vs in a batch of 4: not bitwise, max diff ")
+    )
+
+    def by_batch(q: Any, k: Any, v: Any, **kw: Any) -> Any:
+        return attend(q, k, v, **kw) + np.float32(0.01 * q.shape[0])
+
+    batch = check_attention(by_batch, cases=["batch_invariance"])["batch_invariance"]
+    assert batch.verdict == "departs"
+    assert batch.details[0].startswith("alone vs in a batch of 4: differs by 0.03")
+
+
+@requires_backend("torch")
+def test_check_attention_gradients_on_rows_with_no_key() -> None:
+    """A large negative fill: out is mean(V) on a row with no key, and its dv carries that
+    row's gradient; dq there is 0 (the fill is a constant)."""
+    import torch
+
+    def filled(q: Any, k: Any, v: Any, *, mask: Any = None) -> Any:
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        if mask is not None:
+            scores = torch.where(mask, scores, torch.tensor(-1e9, dtype=scores.dtype))
+        return torch.softmax(scores, dim=-1) @ v
+
+    report = check_attention(filled, backend="torch", causal=None, cases=["grad_empty_rows"])
+    (case,) = report
+    assert case.verdict == "departs"
+    assert any(d.startswith("dv: ") for d in case.details), case.details
+    assert not any(d.startswith("dq") for d in case.details), case.details
+    numpy = check_attention(textbook, causal=None, cases=["grad_empty_rows"])
+    assert numpy["grad_empty_rows"].details == (
+        "numpy arrays have no autodiff here (differentiable: torch, jax)",
+    )
+
+
 def test_check_attention_flags_lse_on_rows_with_no_key() -> None:
     def plus_inf(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         out, lse = attend(q, k, v, return_lse=True, **kwargs)
