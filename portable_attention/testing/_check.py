@@ -55,7 +55,8 @@ class CaseResult:
     verdict : {"ok", "departs", "error", "skipped"}
         ``"departs"``: the function's result differs from the reference (or has the
         wrong shape or dtype); ``"error"``: it raised; ``"skipped"``: the function takes
-        no argument for what the case needs (no mask keyword, say).
+        no argument for what the case needs (no mask keyword, say) or, for the gradient
+        cases, its arrays have no autodiff the kit uses (torch's and JAX's only).
     details : tuple of str
         Why: each departure (with the likely cause where one fits), the exception, or
         the reason for the skip; for ``"ok"``, the largest errors.
