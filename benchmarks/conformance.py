@@ -323,6 +323,34 @@ def _transformers_eager() -> Built:
     return hf_eager, {"backend": "torch", "mask": "attention_mask", "causal": None}
 
 
+def _transformers_gpt_oss() -> Built:
+    torch = _need("torch")
+    _need("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    def gpt_oss_eager(
+        q: Any, k: Any, v: Any, *, attention_mask: Any = None, sinks: Any = None
+    ) -> Any:
+        module = _hf_module(q, k)
+        # module.sinks is a parameter of every gpt-oss layer; -inf where the kit passes
+        # none (no sink: the other cases run as plain attention).
+        none = torch.full((q.shape[1],), -torch.inf, dtype=q.dtype)
+        module.sinks = none if sinks is None else sinks
+        additive = None
+        if attention_mask is not None:
+            low = torch.finfo(q.dtype).min
+            additive = torch.where(attention_mask, 0.0, low).to(q.dtype)
+        out, _ = eager_attention_forward(module, q, k, v, additive, q.shape[-1] ** -0.5)
+        return out.transpose(1, 2)
+
+    return gpt_oss_eager, {
+        "backend": "torch",
+        "mask": "attention_mask",
+        "causal": None,
+        "sinks": "sinks",
+    }
+
+
 def _attend(backend: str, lse: bool = True, **options: Any) -> Callable[[], Built]:
     """``attend`` on ``backend`` with path ``options``, its lse returned (``lse``) or not
     (torch's auto path then takes SDPA); ``chunk_size=None`` stands for 8 on the kit's
@@ -494,6 +522,19 @@ KERNELS: tuple[Kernel, ...] = (
         ("transformers", "torch"),
         _transformers_eager,
         documented={"empty_rows": MEAN_V, "padding": MEAN_V, "grad_empty_rows": MEAN_V},
+    ),
+    Kernel(
+        "transformers-gpt-oss-eager",
+        "transformers (gpt-oss) eager_attention_forward, sinks as module.sinks",
+        ("transformers", "torch"),
+        _transformers_gpt_oss,
+        documented={
+            "empty_rows": MEAN_V,
+            "padding": MEAN_V,
+            "grad_empty_rows": MEAN_V,
+            "sinks": MEAN_V + " (on the head whose sink is -inf; a finite sink gives 0)",
+            "grad_sinks": MEAN_V + " (on the head whose sink is -inf)",
+        },
     ),
     Kernel("flash-attn", "flash_attn_func (flash-attn)", ("flash-attn",), _cuda(GPU), gpu=GPU),
     Kernel(
