@@ -323,6 +323,58 @@ def _transformers_eager() -> Built:
     return hf_eager, {"backend": "torch", "mask": "attention_mask", "causal": None}
 
 
+def _sharded(method: str) -> Callable[[], Built]:
+    """``sharded_attend`` over 2 simulated CPU devices (``XLA_FLAGS``), jitted."""
+
+    def build() -> Built:
+        jax = _need("jax")
+        from portable_attention.parallel import sharded_attend
+
+        if len(jax.devices()) < 2:
+            msg = f"JAX sees {len(jax.devices())} device; XLA_FLAGS asks for 2"
+            raise Unavailable(msg)
+        mesh = jax.make_mesh((2,), ("seq",))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+        def fn(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+            # The kit's arrays are committed to device 0, which sharded_attend does not
+            # reshard (a ValueError from jit, found here): put them on the mesh first.
+            q, k, v = (jax.device_put(a, replicated) for a in (q, k, v))
+            kwargs = {
+                n: jax.device_put(a, replicated) if isinstance(a, jax.Array) else a
+                for n, a in kwargs.items()
+            }
+            return sharded_attend(
+                q,
+                k,
+                v,
+                mesh=mesh,
+                axis="seq",
+                method=method,
+                layout="contiguous",
+                return_lse=True,
+                **kwargs,
+            )
+
+        fn.__qualname__ = f"sharded_attend[{method}]"
+        return fn, {
+            "backend": "jax",
+            "mask": "mask" if method == "ulysses" else None,
+            "window": "window",
+            "sinks": "sinks",
+            "returns": ("out", "lse"),
+        }
+
+    return build
+
+
+SHARDS = (
+    "the sequence must split evenly over the shards (2 here; docs/scaling-out.md): "
+    "Lq = 3 and Lq = 1 do not"
+)
+SIMULATED = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+
+
 def _transformers_gpt_oss() -> Built:
     torch = _need("torch")
     _need("transformers")
@@ -443,6 +495,22 @@ KERNELS: tuple[Kernel, ...] = (
         "attend, JAX (jit), chunk_size=8 (128 past 64 keys)",
         ("jax", "jaxlib"),
         _attend("jax", chunk_size=None),
+    ),
+    Kernel(
+        "attend-jax-ring",
+        'sharded_attend(method="ring"), JAX, 2 simulated CPU devices',
+        ("jax", "jaxlib"),
+        _sharded("ring"),
+        documented={"half_overflow": SHARDS, "decode": SHARDS},
+        env=SIMULATED,
+    ),
+    Kernel(
+        "attend-jax-ulysses",
+        'sharded_attend(method="ulysses"), JAX, 2 simulated CPU devices',
+        ("jax", "jaxlib"),
+        _sharded("ulysses"),
+        documented={"half_overflow": SHARDS, "decode": SHARDS},
+        env=SIMULATED,
     ),
     Kernel(
         "torch-sdpa-math",
@@ -592,7 +660,7 @@ def classify(kernel: Kernel, keywords: Mapping[str, Any], name: str, verdict: st
 def run_kernel(kernel: Kernel, cases: Sequence[str] | None = None) -> KernelResult:
     """Run ``kernel`` (in a subprocess where it sets an environment) and classify."""
     result = KernelResult(kernel.key, kernel.name)
-    if kernel.env and os.environ.get("KERAS_BACKEND") != kernel.env.get("KERAS_BACKEND"):
+    if any(os.environ.get(name) != value for name, value in kernel.env.items()):
         return _in_subprocess(kernel, cases)
     try:
         fn, keywords = kernel.build()

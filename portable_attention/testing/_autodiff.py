@@ -69,6 +69,7 @@ def vjp(
             lambda *xs: call(**dict(zip(names, xs, strict=True))), *(primals[n] for n in names)
         )
         ct = to_backend(cotangent, "jax", device).astype(out.dtype)
+        ct = jax.device_put(ct, out.sharding)  # where the output is (a mesh, say)
         grads = pullback(ct)
         return {n: to_numpy(g, dtype="float64") for n, g in zip(names, grads, strict=True)}
     msg = f"`backend`={backend!r} has no autodiff here; differentiable: {DIFFERENTIABLE}."
