@@ -493,12 +493,27 @@ def _head_dims(dk: int, dv: int) -> Callable[..., Verdict]:
     return run
 
 
+def _empty_rows_inputs(
+    conv: Conventions, rng: np.random.Generator, hq: int, lq: int, lk: int, rows: Sequence[int]
+) -> _Inputs:
+    """``q, k, v`` with query rows that have no key: ``rows`` masked out by a mask; where
+    ``fn`` takes no mask but a lower-right causal flag, causal with ``Lq = Lk + 4`` (its
+    first 4 rows see no key); else neither (no row without a key)."""
+    if conv.mask is None and conv.causal is not None and conv.causal_alignment == "lower_right":
+        q, k, v = _qkv(rng, conv.dtype, hq, hq, lk + 4, lk)
+        return _Inputs(q, k, v, causal=True)
+    q, k, v = _qkv(rng, conv.dtype, hq, hq, lq, lk)
+    if conv.mask is None:
+        return _Inputs(q, k, v)
+    return _Inputs(q, k, v, mask=_mask_case(rng, 2, lq, lk, empty_rows=rows))
+
+
 def _sink_inputs(conv: Conventions) -> _Inputs:
-    """Sinks [Hq] (one of them -inf: no sink) with a mask that leaves row 2 no key."""
-    rng = np.random.default_rng([SEED, 11])
-    q, k, v = _qkv(rng, conv.dtype, 4, 4, 8, 10)
-    sinks = rounded(np.array([0.5, -1.0, 2.0, -np.inf]), conv.dtype)
-    return _Inputs(q, k, v, mask=_mask_case(rng, 2, 8, 10, empty_rows=(2,)), sinks=sinks)
+    """Sinks [Hq] (one of them -inf: no sink) with rows with no key (a mask that leaves
+    row 2 none, or as :func:`_empty_rows_inputs` says)."""
+    inputs = _empty_rows_inputs(conv, np.random.default_rng([SEED, 11]), 4, 8, 10, (2,))
+    inputs.sinks = rounded(np.array([0.5, -1.0, 2.0, -np.inf]), conv.dtype)
+    return inputs
 
 
 def _case_sinks(fn: Callable[..., Any], conv: Conventions) -> Verdict:
@@ -586,9 +601,10 @@ def _gradient_case(inputs: _Inputs, fn: Callable[..., Any], conv: Conventions) -
 
 
 def _case_grad_empty_rows(fn: Callable[..., Any], conv: Conventions) -> Verdict:
-    rng = np.random.default_rng([SEED, 3])
-    q, k, v = _qkv(rng, conv.dtype, 2, 2, 8, 10)
-    inputs = _Inputs(q, k, v, mask=_mask_case(rng, 2, 8, 10, empty_rows=(2, 5)))
+    inputs = _empty_rows_inputs(conv, np.random.default_rng([SEED, 3]), 2, 8, 10, (2, 5))
+    if inputs.mask is None and not inputs.causal:
+        msg = "the function takes no mask and no lower-right causal flag: no row without a key"
+        raise Skip(msg)
     return _gradient_case(inputs, fn, conv)
 
 
@@ -632,7 +648,8 @@ def _case_determinism(fn: Callable[..., Any], conv: Conventions) -> Verdict:
     reference: the other cases do that)."""
     rng = np.random.default_rng([SEED, 14])
     q, k, v = _qkv(rng, conv.dtype, 2, 2, 64, 64, d=32)
-    inputs = _Inputs(q, k, v, mask=_mask_case(rng, 2, 64, 64))
+    mask = _mask_case(rng, 2, 64, 64) if conv.mask is not None else None
+    inputs = _Inputs(q, k, v, mask=mask, causal=mask is None and conv.causal is not None)
     first = _out_of(fn, conv, inputs)
     for _ in range(2):
         again = _out_of(fn, conv, inputs)
@@ -660,10 +677,11 @@ CASES: Mapping[str, str] = {
     "head_dim_256": "Dk = Dv = 256 (Gemma)",
     "head_dim_512": "Dk = Dv = 512",
     "dv_ne_dk": "Dk = 192, Dv = 128 (DeepSeek MLA): out [B, H, Lq, Dv], scale 1/sqrt(Dk)",
-    "sinks": "a sink logit per head (one -inf), one row with no key: out 0 there, lse the "
-    "sink's (skipped without `sinks=`)",
-    "grad_empty_rows": "gradients with rows with no key: finite, dq 0 on them, dk and dv "
-    "as the reference's (torch and jax autodiff)",
+    "sinks": "a sink logit per head (one -inf), rows with no key (by the mask, else by "
+    "lower-right causal Lq > Lk): out 0 there, lse the sink's (skipped without `sinks=`)",
+    "grad_empty_rows": "gradients with rows with no key (by the mask, else by lower-right "
+    "causal Lq > Lk): finite, dq 0 on them, dk and dv as the reference's (torch and jax "
+    "autodiff)",
     "grad_sinks": "gradients of the sinks case, d(sinks) included (needs `sinks=` and autodiff)",
     "batch_invariance": "sequence 2 alone vs inside a batch of 4 ([4, 2, 1024, 64], causal "
     "where taken): within tolerance of each other; the notes say whether bitwise",
