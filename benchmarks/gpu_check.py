@@ -529,11 +529,195 @@ def _array_backward(xp: Any) -> None:
         check(f"{xp.__name__} attend_backward {label}", err, tol, "(relative to max |g|)")
 
 
+# -- conformance (issue 27): the kit on the CUDA kernels ---------------------------------
+
+#: torch SDPA's documented conventions (as benchmarks/conformance.py declares them).
+TORCH_SDPA: dict[str, Any] = {
+    "backend": "torch",
+    "mask": "attn_mask",
+    "causal": "is_causal",
+    "causal_alignment": "upper_left",
+    "options": {"enable_gqa": True},
+}
+#: attend's own keywords (its lse returned), on any backend.
+ATTEND: dict[str, Any] = {
+    "window": "window",
+    "sinks": "sinks",
+    "options": {"return_lse": True},
+    "returns": ("out", "lse"),
+}
+
+
+def conformance(name: str, fn: Callable[..., Any], own: bool, **keywords: Any) -> None:
+    """Run the kit on ``fn`` and print its report; the package's own paths (``own``)
+    must agree on every case, another kernel's departures are printed as information."""
+    from portable_attention.testing import check_attention
+
+    report = check_attention(fn, **keywords)
+    print(f"conformance {name}:")
+    print(report)
+    if own:
+        expect(f"conformance {name}", report.ok, f"{len(report.departures)} cases depart")
+    else:
+        departs = ", ".join(f"{c.name} ({c.verdict})" for c in report.departures)
+        print(f"info conformance {name}: " + (departs or "every case that ran agrees"))
+
+
+def torch_conformance(
+    device: str, dtype: str, backends: tuple[str, ...], cases: list[str] | None = None
+) -> None:
+    """SDPA under each of ``backends`` (``SDPBackend`` names), flash-attn where it imports
+    (CUDA, 16-bit only), and ``attend`` on ``device``; ``cases``: all, or only these."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in backends:
+        chosen = getattr(SDPBackend, backend, None)
+        if chosen is None:
+            print(f"info conformance sdpa[{backend}]: this torch has no such backend")
+            continue
+
+        def sdpa(q: Any, k: Any, v: Any, chosen: Any = chosen, **kwargs: Any) -> Any:
+            with sdpa_kernel([chosen]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+        section(
+            f"conformance sdpa[{backend}]",
+            functools.partial(
+                conformance,
+                f"sdpa[{backend}] {device} {dtype}",
+                sdpa,
+                False,
+                device=device,
+                dtype=dtype,
+                cases=cases,
+                **TORCH_SDPA,
+            ),
+        )
+    if device != "cpu" and dtype in ("float16", "bfloat16"):
+        if importlib.util.find_spec("flash_attn") is None:
+            print("info conformance flash_attn_func: flash-attn not installed")
+        else:
+            from flash_attn import flash_attn_func
+
+            section(
+                "conformance flash_attn_func",
+                functools.partial(
+                    conformance,
+                    f"flash_attn_func {device} {dtype}",
+                    flash_attn_func,
+                    False,
+                    backend="torch",
+                    device=device,
+                    dtype=dtype,
+                    layout="blhd",
+                    mask=None,
+                    causal="causal",
+                    window="window_size",
+                    returns=("out", "lse", None),
+                    options={"return_attn_probs": True},
+                ),
+            )
+    section(
+        f"conformance attend torch {device}",
+        functools.partial(
+            conformance,
+            f"attend torch {device} {dtype}",
+            attend,
+            True,
+            backend="torch",
+            device=device,
+            dtype=dtype,
+            cases=cases,
+            **ATTEND,
+        ),
+    )
+
+
+def jax_conformance(dtype: str, implementation: str | None, cases: list[str] | None = None) -> None:
+    """``jax.nn.dot_product_attention`` with ``implementation`` (jitted) and ``attend``
+    on JAX's default device; ``cases``: all, or only these."""
+    import jax
+
+    nn = jax.jit(
+        functools.partial(jax.nn.dot_product_attention, implementation=implementation),
+        static_argnames=("is_causal", "local_window_size"),
+    )
+    section(
+        f"conformance jax.nn[{implementation}]",
+        functools.partial(
+            conformance,
+            f"jax.nn[{implementation}] {dtype}",
+            nn,
+            False,
+            backend="jax",
+            dtype=dtype,
+            layout="blhd",
+            mask="mask",
+            causal="is_causal",
+            causal_alignment="upper_left",
+            window="local_window_size",
+            cases=cases,
+        ),
+    )
+    statics = ("causal", "window", "return_lse")
+    section(
+        "conformance attend jax",
+        functools.partial(
+            conformance,
+            f"attend jax {dtype}",
+            jax.jit(attend, static_argnames=statics),
+            True,
+            backend="jax",
+            dtype=dtype,
+            cases=cases,
+            **ATTEND,
+        ),
+    )
+
+
+def conformance_torch() -> bool:
+    """The conformance section for torch's CUDA kernels and CuPy (its own process, as
+    every section: JAX never meets the cuDNN torch loads)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("conformance-torch: no CUDA device")
+        return False
+    backends = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+    for dtype in ("float16", "float32"):
+        torch_conformance("cuda", dtype, backends)
+    if importlib.util.find_spec("cupy") is not None:
+        section(
+            "conformance attend cupy",
+            functools.partial(
+                conformance, "attend cupy float32", attend, True, backend="cupy", **ATTEND
+            ),
+        )
+    return True
+
+
+def conformance_jax() -> bool:
+    """The conformance section for ``jax.nn`` with cuDNN and ``attend`` on a JAX GPU."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        print(f"conformance-jax: JAX runs on {jax.default_backend()}, no GPU")
+        return False
+    jax_conformance("float16", "cudnn")  # cuDNN's fused attention takes 16-bit inputs
+    jax_conformance("float32", "xla")
+    return True
+
+
 SECTIONS: dict[str, Callable[[], bool]] = {  # in running order: JAX compiles the most
     "torch": torch_cuda,
     "cupy": cupy_via_torch,
+    "conformance-torch": conformance_torch,
     "jax": jax_gpu,
+    "conformance-jax": conformance_jax,
 }
+#: The module a section needs (its own name where not listed).
+SECTION_NEEDS = {"conformance-torch": "torch", "conformance-jax": "jax"}
 
 
 def run_section(name: str) -> int:
@@ -576,7 +760,7 @@ def main(argv: list[str]) -> int:
     deadline = time.monotonic() + TOTAL_TIMEOUT_S
     status: dict[str, int] = {}
     for name in SECTIONS:
-        if importlib.util.find_spec(name) is None:
+        if importlib.util.find_spec(SECTION_NEEDS.get(name, name)) is None:
             print(f"{name}: not installed")
             continue
         left = deadline - time.monotonic()

@@ -104,6 +104,23 @@ def test_a_raising_section_fails_and_the_script_goes_on(gpu_check: ModuleType) -
     assert gpu_check.failures == ["broken"] and gpu_check.passed == ["after"]
 
 
+@requires_backend("torch")
+def test_torch_conformance_runs_on_cpu(gpu_check: ModuleType) -> None:
+    """The conformance section's torch half on the CPU (SDPA's math backend, attend):
+    attend agrees on every case, SDPA's report is printed, not judged."""
+    cases = ["mask", "causal_lq_gt_lk", "grad_empty_rows", "sinks"]
+    gpu_check.torch_conformance("cpu", "float32", ("MATH", "NO_SUCH_BACKEND"), cases)
+    assert gpu_check.failures == []
+    assert gpu_check.passed == ["conformance attend torch cpu float32"]
+
+
+@requires_backend("jax")
+def test_jax_conformance_runs_on_cpu(gpu_check: ModuleType) -> None:
+    gpu_check.jax_conformance("float32", "xla", ["mask", "window", "grad_empty_rows"])
+    assert gpu_check.failures == []
+    assert gpu_check.passed == ["conformance attend jax float32"]
+
+
 def test_without_a_gpu_nothing_is_claimed() -> None:
     if importlib.util.find_spec("torch") is not None:
         import torch

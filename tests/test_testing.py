@@ -1180,14 +1180,27 @@ def test_check_attention_passes_attend(name: str) -> None:
     if name == "jax":  # jitted: one compile per case instead of eager op by op
         import jax
 
-        fn = jax.jit(attend, static_argnames=("causal", "return_lse"))
-    report = check_attention(fn, backend=name, **with_lse())
+        fn = jax.jit(attend, static_argnames=("causal", "window", "return_lse"))
+    report = check_attention(fn, backend=name, window="window", sinks="sinks", **with_lse())
     assert report.ok, str(report)
     assert [c.name for c in report] == list(CASES)
+    grads = ("grad_empty_rows", "grad_sinks")
     for case in report:
-        if case.verdict == "skipped":  # array_api_strict has no float16
-            assert (name, case.name) == ("array_api_strict", "half_overflow"), str(report)
-            assert case.details == ("array_api_strict has no float16",)
+        if case.verdict == "skipped":  # array_api_strict has no float16; autodiff: torch, jax
+            if case.name in grads:
+                assert name not in ("torch", "jax"), str(report)
+                assert case.details == (
+                    f"{name} arrays have no autodiff here (differentiable: torch, jax)",
+                )
+            else:
+                assert (name, case.name) == ("array_api_strict", "half_overflow"), str(report)
+                assert case.details == ("array_api_strict has no float16",)
+        elif case.name in grads:
+            assert case.verdict == "ok" and case.details[0].startswith("max abs err dq ")
+        elif case.name == "batch_invariance":  # bitwise or not: measured in docs/contract.md
+            assert case.verdict == "ok" and case.details[0].startswith("alone vs in a batch")
+        elif case.name == "determinism":
+            assert case.details == ("3 calls bitwise equal",), str(report)
         else:
             assert case.verdict == "ok" and case.details[0].startswith("max abs err out ")
     text = str(report)
@@ -1266,8 +1279,8 @@ def test_check_attention_flags_upper_left_causal_passed_as_lower_right() -> None
     assert report["decode"].details[-1] == "Lq=1: it matches causal_alignment='upper_left'"
     assert report["causal"].ok and report["empty_rows"].ok
     text = str(report)
-    assert "  causal_lq_gt_lk  DEPARTS  " in text
-    assert text.splitlines()[-1] == "3 of 10 cases depart."
+    assert "  causal_lq_gt_lk   DEPARTS  " in text
+    assert text.splitlines()[-1] == "3 of 16 cases depart (4 skipped)."
     # Declared as what it is, it passes.
     assert check_attention(upper_left_as_lower_right, causal_alignment="upper_left").ok
 
@@ -1293,6 +1306,70 @@ def test_check_attention_flags_mean_v_and_nan_on_rows_with_no_key() -> None:
     assert (
         check_attention(textbook, mask=None, causal=None, cases=["mask"])["mask"].verdict
         == "skipped"
+    )
+
+
+def test_check_attention_window_and_sinks_cases_name_the_slip() -> None:
+    def swapped(q: Any, k: Any, v: Any, *, window: Any = None, **kw: Any) -> Any:
+        return attend(q, k, v, window=window[::-1], **kw)
+
+    report = check_attention(swapped, window="window", cases=["window"])
+    assert report["window"].details[-1] == "it matches left and right swapped: window=(1, 3)"
+
+    def no_sinks(q: Any, k: Any, v: Any, *, sinks: Any = None, **kw: Any) -> Any:
+        return attend(q, k, v, **kw)
+
+    report = check_attention(no_sinks, sinks="sinks", cases=["sinks", "window"])
+    assert report["sinks"].details[-1] == "it matches no sinks at all (the sinks ignored)"
+    assert report["window"].details == ("the function takes no window (window=None)",)
+    assert "sinks='sinks'" in report.conventions
+
+
+def test_check_attention_determinism_and_batch_invariance() -> None:
+    noise = np.random.default_rng(5)
+
+    def jittery(q: Any, k: Any, v: Any, **kw: Any) -> Any:
+        out = attend(q, k, v, **kw)
+        return out + np.float32(1e-7) * noise.standard_normal(out.shape).astype(np.float32)
+
+    report = check_attention(jittery, cases=["determinism", "batch_invariance"])
+    assert report["determinism"].verdict == "departs"
+    assert report["determinism"].details[0].endswith(": not deterministic")
+    assert report["batch_invariance"].verdict == "ok"  # within tolerance
+    assert (
+        report["batch_invariance"]
+        .details[0]
+        .startswith("alone vs in a batch of 4: not bitwise, max diff ")
+    )
+
+    def by_batch(q: Any, k: Any, v: Any, **kw: Any) -> Any:
+        return attend(q, k, v, **kw) + np.float32(0.01 * q.shape[0])
+
+    batch = check_attention(by_batch, cases=["batch_invariance"])["batch_invariance"]
+    assert batch.verdict == "departs"
+    assert batch.details[0].startswith("alone vs in a batch of 4: differs by 0.03")
+
+
+@requires_backend("torch")
+def test_check_attention_gradients_on_rows_with_no_key() -> None:
+    """A large negative fill: out is mean(V) on a row with no key, and its dv carries that
+    row's gradient; dq there is 0 (the fill is a constant)."""
+    import torch
+
+    def filled(q: Any, k: Any, v: Any, *, mask: Any = None) -> Any:
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        if mask is not None:
+            scores = torch.where(mask, scores, torch.tensor(-1e9, dtype=scores.dtype))
+        return torch.softmax(scores, dim=-1) @ v
+
+    report = check_attention(filled, backend="torch", causal=None, cases=["grad_empty_rows"])
+    (case,) = report
+    assert case.verdict == "departs"
+    assert any(d.startswith("dv: ") for d in case.details), case.details
+    assert not any(d.startswith("dq") for d in case.details), case.details
+    numpy = check_attention(textbook, causal=None, cases=["grad_empty_rows"])
+    assert numpy["grad_empty_rows"].details == (
+        "numpy arrays have no autodiff here (differentiable: torch, jax)",
     )
 
 

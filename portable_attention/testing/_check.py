@@ -55,7 +55,8 @@ class CaseResult:
     verdict : {"ok", "departs", "error", "skipped"}
         ``"departs"``: the function's result differs from the reference (or has the
         wrong shape or dtype); ``"error"``: it raised; ``"skipped"``: the function takes
-        no argument for what the case needs (no mask keyword, say).
+        no argument for what the case needs (no mask keyword, say) or, for the gradient
+        cases, its arrays have no autodiff the kit uses (torch's and JAX's only).
     details : tuple of str
         Why: each departure (with the likely cause where one fits), the exception, or
         the reason for the skip; for ``"ok"``, the largest errors.
@@ -144,6 +145,8 @@ def check_attention(
     mask_polarity: str = "keep",
     causal: str | None = "causal",
     causal_alignment: str = "lower_right",
+    window: str | None = None,
+    sinks: str | None = None,
     returns: str | Sequence[str | None] = "out",
     options: Mapping[str, Any] | None = None,
     cases: Sequence[str] | None = None,
@@ -163,7 +166,15 @@ def check_attention(
     The cases (:data:`CASES`): ``plain``, ``mask``, ``empty_rows``, ``causal``,
     ``causal_lq_gt_lk``, ``causal_lq_lt_lk``, ``gqa``, ``mqa``, ``half_overflow``
     (float16 whatever ``dtype``), ``decode`` (``Lq = 1`` against the last row of the
-    ``Lq = Lk`` call; causal when the alignment is lower-right).
+    ``Lq = Lk`` call; causal when the alignment is lower-right), ``padding`` (a
+    ``[B, 1, 1, Lk]`` key-padding mask, one sequence all padding), ``window``
+    (``(left, right)`` counts, inclusive, aligned as ``causal_alignment`` says, with
+    ``Lq != Lk``; needs ``window``), ``head_dim_256``, ``head_dim_512``, ``dv_ne_dk``
+    (``Dk = 192``, ``Dv = 128``), ``sinks`` (needs ``sinks``), ``grad_empty_rows`` and
+    ``grad_sinks`` (gradients through torch's or JAX's autodiff against the reference's
+    float64 gradients; skipped for other backends), ``batch_invariance`` (one sequence
+    alone against the same sequence in a batch of 4: within tolerance, and the notes say
+    whether bitwise) and ``determinism`` (three calls bitwise equal).
 
     Parameters
     ----------
@@ -191,7 +202,18 @@ def check_attention(
     causal_alignment : {"lower_right", "upper_left"}
         What ``fn``'s causal flag means when ``Lq != Lk``: query ``i`` sees keys
         ``j <= i + (Lk - Lq)`` (lower-right: this package, flash-attn >= 2.1) or
-        ``j <= i`` (upper-left: torch SDPA's ``is_causal``, jax.nn's).
+        ``j <= i`` (upper-left: torch SDPA's ``is_causal``, jax.nn's). The ``window``
+        case aligns the window the same way.
+    window : str or None
+        The keyword ``fn`` takes a sliding window ``(left, right)`` by (a tuple of two
+        ints: keys from ``left`` before to ``right`` after the query's aligned position,
+        both inclusive): ``"window"`` for this package's ``attend``,
+        ``"local_window_size"`` for jax.nn, ``"window_size"`` for flash-attn. None (the
+        default): the ``window`` case is skipped.
+    sinks : str or None
+        The keyword ``fn`` takes attention sinks by (one logit per query head, ``[Hq]``,
+        in ``dtype``): ``"sinks"`` for ``attend``. None (the default): the sink cases are
+        skipped.
     returns : "out" or sequence of {"out", "weights", "lse", None}
         What ``fn`` returns: the output alone, or a tuple whose items are named so
         (None for an item to ignore), e.g. ``("out", "lse", None)`` for
@@ -239,6 +261,8 @@ def check_attention(
         causal_alignment,
         returns,
         options,
+        window,
+        sinks,
     )
     names = list(CASES) if cases is None else check_case_names(cases, list(CASES))
     results = []
@@ -252,16 +276,32 @@ def check_attention(
             results.append(CaseResult(name, CASES[name], "departs", (str(err),)))
             continue
         except Exception as err:  # the function under test raised: that case's verdict
-            text = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            text = _first_line(f"{type(err).__name__}: {err}")
             results.append(CaseResult(name, CASES[name], "error", (text,)))
             continue
         verdict = "departs" if departures else "ok"
-        details = departures or [f"max abs err {', '.join(notes)}"]
+        details = departures or [_ok_details(notes)]
         results.append(CaseResult(name, CASES[name], verdict, tuple(details)))
     report = AttentionReport(_name_of(fn), conv.describe(), tuple(results))
     if raise_on_departure and not report.ok:
         raise AssertionError(str(report))
     return report
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """An exception's first line, its start and end kept where it is longer than
+    ``limit`` (a C++ assertion puts the reason last)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    if len(line) <= limit:
+        return line
+    return f"{line[: limit // 3]} ... {line[-(limit - limit // 3 - 5) :]}"
+
+
+def _ok_details(notes: list[str]) -> str:
+    """An agreeing case's line: its largest errors (``"out 2e-07"``) and other notes."""
+    errors = [n for n in notes if n.split(" ")[-1][:1].isdigit() and "bitwise" not in n]
+    others = [n for n in notes if n not in errors]
+    return ", ".join(([f"max abs err {', '.join(errors)}"] if errors else []) + others)
 
 
 # -- argument checks and messages of this module ----------------------------------------
@@ -278,6 +318,8 @@ def _check_conventions(
     causal_alignment: object,
     returns: object,
     options: Mapping[str, Any] | None,
+    window: object = None,
+    sinks: object = None,
 ) -> Conventions:
     name = check_name(backend)
     import_backend(name)
@@ -290,7 +332,7 @@ def _check_conventions(
         if value not in known:
             msg = f"`{arg}` must be one of {', '.join(map(repr, known))}, got {value!r}."
             raise ValueError(msg)
-    for arg, value in (("mask", mask), ("causal", causal)):
+    for arg, value in (("mask", mask), ("causal", causal), ("window", window), ("sinks", sinks)):
         if value is not None and not (isinstance(value, str) and value.isidentifier()):
             msg = f"`{arg}` must be the keyword `fn` takes it by (a str) or None, got {value!r}."
             raise TypeError(msg)
@@ -330,6 +372,8 @@ def _check_conventions(
         str(causal_alignment),
         items,
         dict(options or {}),
+        window if isinstance(window, str) else None,
+        sinks if isinstance(sinks, str) else None,
     )
 
 

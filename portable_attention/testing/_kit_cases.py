@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from portable_attention.testing._autodiff import differentiable, vjp
 from portable_attention.testing._backend import numpy_dtype
 from portable_attention.testing._convert import dtype_name, source_framework, to_backend, to_numpy
 from portable_attention.testing._reference import Reference, reference_attention
@@ -40,6 +41,8 @@ class Conventions:
     causal_alignment: str
     returns: tuple[str | None, ...] | None  # None: the output alone
     options: Mapping[str, Any]
+    window: str | None = None  # the keyword of a (left, right) window
+    sinks: str | None = None  # the keyword of per-head sink logits [Hq]
 
     def describe(self) -> str:
         on = self.backend + (f" ({self.device})" if self.device is not None else "")
@@ -49,9 +52,15 @@ class Conventions:
             mask = f"mask={self.mask!r} (True = {meaning})"
         causal = f"causal={self.causal!r} ({self.causal_alignment})" if self.causal else "no causal"
         returns = "out" if self.returns is None else repr(self.returns)
+        more = "".join(
+            f", {what}={kw!r}"
+            for what, kw in (("window", self.window), ("sinks", self.sinks))
+            if kw is not None
+        )
         extra = f", options {dict(self.options)!r}" if self.options else ""
         return (
-            f"{on} {self.dtype}, layout {self.layout}, {mask}, {causal}, returns {returns}{extra}"
+            f"{on} {self.dtype}, layout {self.layout}, {mask}, {causal}{more}, "
+            f"returns {returns}{extra}"
         )
 
 
@@ -70,8 +79,10 @@ class _Inputs:
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    mask: np.ndarray | None = None  # True = may attend, [B, 1, Lq, Lk]
+    mask: np.ndarray | None = None  # True = may attend, [B, 1, Lq, Lk] (or [B, 1, 1, Lk])
     causal: bool = False
+    window: tuple[int, int] | None = None  # (left, right), passed as the kernel's keyword
+    sinks: np.ndarray | None = None  # [Hq] logits
 
 
 def rounded(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -87,8 +98,9 @@ def _from_layout(a: np.ndarray, layout: str) -> np.ndarray:
     return a if layout == "bhld" else np.swapaxes(a, -3, -2)
 
 
-def _call(fn: Callable[..., Any], conv: Conventions, inputs: _Inputs) -> dict[str, Any]:
-    """Call ``fn`` on ``inputs`` as its conventions say; its outputs by name, unconverted."""
+def _arguments(conv: Conventions, inputs: _Inputs) -> tuple[list[Any], dict[str, Any]]:
+    """``fn``'s arguments for ``inputs`` as its conventions say: ``[q, k, v]`` and keywords
+    (the sinks under the ``sinks`` keyword)."""
     kwargs = dict(conv.options)
     if inputs.mask is not None:
         if conv.mask is None:
@@ -101,11 +113,25 @@ def _call(fn: Callable[..., Any], conv: Conventions, inputs: _Inputs) -> dict[st
             msg = "the function takes no causal flag (causal=None)"
             raise Skip(msg)
         kwargs[conv.causal] = True
-    q, k, v = (
+    if inputs.window is not None:
+        if conv.window is None:
+            msg = "the function takes no window (window=None)"
+            raise Skip(msg)
+        kwargs[conv.window] = inputs.window
+    if inputs.sinks is not None:
+        if conv.sinks is None:
+            msg = "the function takes no sinks (sinks=None)"
+            raise Skip(msg)
+        kwargs[conv.sinks] = to_backend(inputs.sinks, conv.backend, conv.device)
+    qkv = [
         to_backend(_to_layout(a, conv.layout), conv.backend, conv.device)
         for a in (inputs.q, inputs.k, inputs.v)
-    )
-    result = fn(q, k, v, **kwargs)
+    ]
+    return qkv, kwargs
+
+
+def _outputs(conv: Conventions, result: Any) -> dict[str, Any]:
+    """``fn``'s result by name, as ``returns`` declares it."""
     if conv.returns is None:
         return {"out": result}
     if not isinstance(result, (tuple, list)) or len(result) != len(conv.returns):
@@ -116,6 +142,12 @@ def _call(fn: Callable[..., Any], conv: Conventions, inputs: _Inputs) -> dict[st
         )
         raise Returned(msg)
     return {name: x for name, x in zip(conv.returns, result, strict=True) if name is not None}
+
+
+def _call(fn: Callable[..., Any], conv: Conventions, inputs: _Inputs) -> dict[str, Any]:
+    """Call ``fn`` on ``inputs`` as its conventions say; its outputs by name, unconverted."""
+    (q, k, v), kwargs = _arguments(conv, inputs)
+    return _outputs(conv, fn(q, k, v, **kwargs))
 
 
 # -- judging one result --------------------------------------------------------------------------
@@ -266,6 +298,32 @@ def _qkv(
     return rounded(q, dtype), rounded(k, dtype), rounded(v, dtype)
 
 
+def _window_band(lq: int, lk: int, window: tuple[int, int], alignment: str) -> np.ndarray:
+    """``[Lq, Lk]``: key ``j`` within ``(left, right)`` of query ``i``'s aligned position,
+    both bounds inclusive (``i + Lk - Lq`` lower-right, ``i`` upper-left)."""
+    left, right = window
+    i = np.arange(lq)[:, None] + (lk - lq if alignment == "lower_right" else 0)
+    j = np.arange(lk)[None, :]
+    return (j >= i - left) & (j <= i + right)
+
+
+def _reference(
+    inputs: _Inputs, conv: Conventions, alignment: str | None = None, window: Any = None
+) -> Reference:
+    """The reference for ``inputs`` under ``fn``'s declared alignment (or ``alignment``),
+    the window given as ``inputs.window`` (or ``window``) applied as a band mask."""
+    alignment = alignment or conv.causal_alignment
+    window = inputs.window if window is None else window
+    mask = inputs.mask
+    if window is not None:
+        band = _window_band(inputs.q.shape[-2], inputs.k.shape[-2], window, alignment)
+        mask = band if mask is None else mask & band
+    causal = alignment if inputs.causal else False
+    return reference_attention(
+        inputs.q, inputs.k, inputs.v, mask=mask, causal=causal, sinks=inputs.sinks
+    )
+
+
 def _single(
     inputs: _Inputs,
     fn: Callable[..., Any],
@@ -274,8 +332,7 @@ def _single(
     alternatives: Sequence[tuple[str, Reference]] = (),
 ) -> tuple[list[str], list[str], dict[str, Any]]:
     """Call ``fn`` on ``inputs`` and judge it: ``(departures, notes, its outputs)``."""
-    causal = conv.causal_alignment if inputs.causal else False
-    ref = reference_attention(inputs.q, inputs.k, inputs.v, mask=inputs.mask, causal=causal)
+    ref = _reference(inputs, conv)
     outputs = _call(fn, conv, inputs)
     departures, notes = _judge(outputs, ref, inputs, conv, dtype, alternatives)
     return departures, notes, outputs
@@ -396,6 +453,212 @@ def _case_decode(fn: Callable[..., Any], conv: Conventions) -> Verdict:
     return departures, notes
 
 
+def _case_padding(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    """Key padding as a broadcast ``[B, 1, 1, Lk]`` mask, one sequence all padding."""
+    rng = np.random.default_rng([SEED, 8])
+    q, k, v = _qkv(rng, conv.dtype, 2, 2, 8, 10, b=3)
+    lengths = np.array([10, 6, 0])  # the third sequence is all padding: no key for any row
+    mask = (np.arange(10)[None, :] < lengths[:, None])[:, None, None, :]
+    return _single(_Inputs(q, k, v, mask=mask), fn, conv, conv.dtype)[:2]
+
+
+def _case_window(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    """``window=(3, 1)`` with ``Lq = 6 < Lk = 10``: counts, inclusive bounds, alignment."""
+    window = (3, 1)
+    q, k, v = _qkv(np.random.default_rng([SEED, 9]), conv.dtype, 2, 2, 6, 10)
+    inputs = _Inputs(q, k, v, window=window)
+    other = "upper_left" if conv.causal_alignment == "lower_right" else "lower_right"
+    alternatives = [
+        (
+            f"the window aligned {other} (causal_alignment={other!r})",
+            _reference(inputs, conv, alignment=other),
+        ),
+        ("left and right swapped: window=(1, 3)", _reference(inputs, conv, window=(1, 3))),
+        (
+            "bounds exclusive (each side one key narrower: (2, 0))",
+            _reference(inputs, conv, window=(2, 0)),
+        ),
+        ("each side one key wider: (4, 2)", _reference(inputs, conv, window=(4, 2))),
+    ]
+    return _single(inputs, fn, conv, conv.dtype, alternatives)[:2]
+
+
+def _head_dims(dk: int, dv: int) -> Callable[..., Verdict]:
+    def run(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+        rng = np.random.default_rng([SEED, 10, dk, dv])
+        q, k = (rounded(rng.standard_normal((1, 2, n, dk)), conv.dtype) for n in (8, 8))
+        v = rounded(rng.standard_normal((1, 2, 8, dv)), conv.dtype)
+        return _single(_Inputs(q, k, v), fn, conv, conv.dtype)[:2]
+
+    return run
+
+
+def _empty_rows_inputs(
+    conv: Conventions, rng: np.random.Generator, hq: int, lq: int, lk: int, rows: Sequence[int]
+) -> _Inputs:
+    """``q, k, v`` with query rows that have no key: ``rows`` masked out by a mask; where
+    ``fn`` takes no mask but a lower-right causal flag, causal with ``Lq = Lk + 4`` (its
+    first 4 rows see no key); else neither (no row without a key)."""
+    if conv.mask is None and conv.causal is not None and conv.causal_alignment == "lower_right":
+        q, k, v = _qkv(rng, conv.dtype, hq, hq, lk + 4, lk)
+        return _Inputs(q, k, v, causal=True)
+    q, k, v = _qkv(rng, conv.dtype, hq, hq, lq, lk)
+    if conv.mask is None:
+        return _Inputs(q, k, v)
+    return _Inputs(q, k, v, mask=_mask_case(rng, 2, lq, lk, empty_rows=rows))
+
+
+def _sink_inputs(conv: Conventions) -> _Inputs:
+    """Sinks [Hq] (one of them -inf: no sink) with rows with no key (a mask that leaves
+    row 2 none, or as :func:`_empty_rows_inputs` says)."""
+    inputs = _empty_rows_inputs(conv, np.random.default_rng([SEED, 11]), 4, 8, 10, (2,))
+    inputs.sinks = rounded(np.array([0.5, -1.0, 2.0, -np.inf]), conv.dtype)
+    return inputs
+
+
+def _case_sinks(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    inputs = _sink_inputs(conv)
+    if conv.sinks is None:
+        msg = "the function takes no sinks (sinks=None)"
+        raise Skip(msg)
+    no_sinks = _Inputs(inputs.q, inputs.k, inputs.v, mask=inputs.mask)
+    alternatives = [("no sinks at all (the sinks ignored)", _reference(no_sinks, conv))]
+    return _single(inputs, fn, conv, conv.dtype, alternatives)[:2]
+
+
+def _reference_grads(inputs: _Inputs, ref: Reference, dout: np.ndarray) -> dict[str, np.ndarray]:
+    """The float64 gradients of ``sum(out * dout)`` (``Hq == Hk``), from the reference's
+    weights: ``dS = P * (dO V^T - rowsum(dO * O))``; a row with no key has ``P = 0``."""
+    q, k, v = (a.astype(np.float64) for a in (inputs.q, inputs.k, inputs.v))
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    p, o = ref.weights, ref.out
+    rowsum = np.sum(dout * o, axis=-1, keepdims=True)  # [B, H, Lq, 1]
+    ds = p * (dout @ np.swapaxes(v, -1, -2) - rowsum)
+    grads = {
+        "q": scale * ds @ k,
+        "k": scale * np.swapaxes(ds, -1, -2) @ q,
+        "v": np.swapaxes(p, -1, -2) @ dout,
+    }
+    if inputs.sinks is not None:
+        sinks = inputs.sinks.astype(np.float64)[:, None]  # [H, 1]
+        with np.errstate(invalid="ignore"):
+            share = np.where(np.isneginf(sinks), 0.0, np.exp(sinks - ref.lse))  # [B, H, Lq]
+        grads["sinks"] = -np.sum(share * rowsum[..., 0], axis=(0, 2))
+    return grads
+
+
+def _gradient_case(inputs: _Inputs, fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    """``fn``'s gradients (its framework's autodiff) against :func:`_reference_grads`:
+    finite everywhere, ``dq`` exactly 0 on rows with no key."""
+    if not differentiable(conv.backend):
+        msg = f"{conv.backend} arrays have no autodiff here (differentiable: torch, jax)"
+        raise Skip(msg)
+    (q, k, v), kwargs = _arguments(conv, inputs)
+    ref = _reference(inputs, conv)
+    dout = rounded(np.random.default_rng([SEED, 12]).standard_normal(ref.out.shape), conv.dtype)
+    primals = {"q": q, "k": k, "v": v}
+    sinks_keyword = conv.sinks or "sinks"  # _arguments has skipped a case with no keyword
+    if inputs.sinks is not None:
+        primals["sinks"] = kwargs.pop(sinks_keyword)
+
+    def call(**arrays: Any) -> Any:
+        more = {sinks_keyword: arrays["sinks"]} if "sinks" in arrays else {}
+        result = fn(arrays["q"], arrays["k"], arrays["v"], **kwargs, **more)
+        return _outputs(conv, result)["out"]
+
+    got = vjp(call, primals, _to_layout(dout, conv.layout), conv.backend, conv.device)
+    want = _reference_grads(inputs, ref, dout.astype(np.float64))
+    empty = np.isneginf(ref.lse) if inputs.sinks is None else ref.weights.sum(-1) == 0
+    base = tolerance(conv.dtype, "out")
+    tol = Tolerance(base.rtol, 10 * base.atol)  # a gradient sums over a row or a column
+    departures: list[str] = []
+    notes: list[str] = []
+    for name, ref_grad in want.items():
+        g = got[name] if name == "sinks" else _from_layout(got[name], conv.layout)
+        what = f"d{name}"
+        if g.shape != ref_grad.shape:
+            departures.append(f"{what} has shape {g.shape}, expected {ref_grad.shape}")
+            continue
+        if not np.isfinite(g).all():
+            bad = "NaN" if np.isnan(g).any() else "inf"
+            where = " on rows with no key" if name == "q" and np.isfinite(g[~empty]).all() else ""
+            departures.append(f"{what} has {bad}{where}; the contract: finite (0 there)")
+            continue
+        if name == "q" and empty.any() and np.any(g[empty] != 0):
+            worst = float(np.max(np.abs(g[empty])))
+            departures.append(
+                f"dq is not 0 on rows with no key ({_rows(int(empty.sum()))}, "
+                f"max |dq| {worst:.3g}); the contract: 0"
+            )
+        err = _max_abs(g, ref_grad)
+        if not np.all(_close(g, ref_grad, tol)):
+            departures.append(
+                f"{what}: {int(np.sum(~_close(g, ref_grad, tol)))} of {g.size} values differ "
+                f"beyond rtol={tol.rtol:g}, atol={tol.atol:g} (max abs err {err:.3g})"
+            )
+        notes.append(f"{what} {err:.2g}")
+    return departures, notes
+
+
+def _case_grad_empty_rows(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    inputs = _empty_rows_inputs(conv, np.random.default_rng([SEED, 3]), 2, 8, 10, (2, 5))
+    if inputs.mask is None and not inputs.causal:
+        msg = "the function takes no mask and no lower-right causal flag: no row without a key"
+        raise Skip(msg)
+    return _gradient_case(inputs, fn, conv)
+
+
+def _case_grad_sinks(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    inputs = _sink_inputs(conv)
+    if conv.sinks is None:
+        msg = "the function takes no sinks (sinks=None)"
+        raise Skip(msg)
+    return _gradient_case(inputs, fn, conv)
+
+
+def _out_of(fn: Callable[..., Any], conv: Conventions, inputs: _Inputs) -> np.ndarray:
+    out = _call(fn, conv, inputs)["out"]
+    return _from_layout(to_numpy(out, dtype="float64"), conv.layout)
+
+
+def _bitwise(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))))
+
+
+def _case_batch_invariance(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    """Sequence 2 alone against the same sequence inside a batch of 4 (causal if taken):
+    the two outputs against each other, not against the reference."""
+    q, k, v = _qkv(np.random.default_rng([SEED, 13]), conv.dtype, 2, 2, 1024, 1024, b=4, d=64)
+    causal = conv.causal is not None
+    in_batch = _out_of(fn, conv, _Inputs(q, k, v, causal=causal))[2:3]
+    q1, k1, v1 = (np.ascontiguousarray(a[2:3]) for a in (q, k, v))
+    one = _out_of(fn, conv, _Inputs(q1, k1, v1, causal=causal))
+    if one.shape != in_batch.shape:
+        return [f"out has shape {one.shape} alone, {in_batch.shape} in the batch"], []
+    if _bitwise(one, in_batch):
+        return [], ["alone vs in a batch of 4: bitwise equal"]
+    diff = _max_abs(one, in_batch)
+    if not np.all(_close(one, in_batch, tolerance(conv.dtype, "out"))):
+        return [f"alone vs in a batch of 4: differs by {diff:.3g}, beyond tolerance"], []
+    return [], [f"alone vs in a batch of 4: not bitwise, max diff {diff:.2g}"]
+
+
+def _case_determinism(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    """The same call three times: bitwise the same output (not judged against the
+    reference: the other cases do that)."""
+    rng = np.random.default_rng([SEED, 14])
+    q, k, v = _qkv(rng, conv.dtype, 2, 2, 64, 64, d=32)
+    mask = _mask_case(rng, 2, 64, 64) if conv.mask is not None else None
+    inputs = _Inputs(q, k, v, mask=mask, causal=mask is None and conv.causal is not None)
+    first = _out_of(fn, conv, inputs)
+    for _ in range(2):
+        again = _out_of(fn, conv, inputs)
+        if not _bitwise(first, again):
+            diff = _max_abs(first, again)
+            return [f"two calls on the same inputs differ by {diff:.3g}: not deterministic"], []
+    return [], ["3 calls bitwise equal"]
+
+
 CASES: Mapping[str, str] = {
     "plain": "no mask, Lq = Lk = 8, Hq = Hk = 2: the layout and the default scale 1/sqrt(D)",
     "mask": "a boolean mask [B, 1, Lq, Lk]: its polarity (True = may attend)",
@@ -407,6 +670,22 @@ CASES: Mapping[str, str] = {
     "mqa": "Hq = 4 query heads on one key/value head",
     "half_overflow": "float16 scores past 65504 (q.k = 262144): computed in float32, no inf/NaN",
     "decode": "Lq = 1 (a decode step) against the last row of the Lq = 8 call",
+    "padding": "key padding as a [B, 1, 1, Lk] mask, one sequence all padding: its rows "
+    "have no key (out 0)",
+    "window": "window=(3, 1) with Lq = 6 < Lk = 10: 3 keys left, 1 right, inclusive, aligned "
+    "as causal is (skipped without `window=`)",
+    "head_dim_256": "Dk = Dv = 256 (Gemma)",
+    "head_dim_512": "Dk = Dv = 512",
+    "dv_ne_dk": "Dk = 192, Dv = 128 (DeepSeek MLA): out [B, H, Lq, Dv], scale 1/sqrt(Dk)",
+    "sinks": "a sink logit per head (one -inf), rows with no key (by the mask, else by "
+    "lower-right causal Lq > Lk): out 0 there, lse the sink's (skipped without `sinks=`)",
+    "grad_empty_rows": "gradients with rows with no key (by the mask, else by lower-right "
+    "causal Lq > Lk): finite, dq 0 on them, dk and dv as the reference's (torch and jax "
+    "autodiff)",
+    "grad_sinks": "gradients of the sinks case, d(sinks) included (needs `sinks=` and autodiff)",
+    "batch_invariance": "sequence 2 alone vs inside a batch of 4 ([4, 2, 1024, 64], causal "
+    "where taken): within tolerance of each other; the notes say whether bitwise",
+    "determinism": "the same call 3 times: bitwise equal outputs",
 }
 """The cases of :func:`check_attention`, in order: name -> what it checks."""
 
@@ -421,4 +700,14 @@ RUNNERS: dict[str, Callable[..., Verdict]] = {
     "mqa": _case_heads(4, 1),
     "half_overflow": _case_half,
     "decode": _case_decode,
+    "padding": _case_padding,
+    "window": _case_window,
+    "head_dim_256": _head_dims(256, 256),
+    "head_dim_512": _head_dims(512, 512),
+    "dv_ne_dk": _head_dims(192, 128),
+    "sinks": _case_sinks,
+    "grad_empty_rows": _case_grad_empty_rows,
+    "grad_sinks": _case_grad_sinks,
+    "batch_invariance": _case_batch_invariance,
+    "determinism": _case_determinism,
 }
