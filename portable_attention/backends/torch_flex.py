@@ -41,6 +41,7 @@ off: ``auto`` then plans as without Flex and says so.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import sys
@@ -61,18 +62,17 @@ _VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 #: Flex's block length: its BlockMask's blocks (a block plan brings its own).
 BLOCK = 128
 
-#: ``auto`` takes Flex only where the call has at least this many scores per head
-#: (Lq * Lk): below, the portable paths measured as fast or faster and Flex's first call
-#: of a class costs seconds of compilation (docs/fast-paths.md).
-MIN_SCORES = 2048 * 2048
+#: ``auto`` takes Flex only from this many scores per call (batch * heads * Lq * Lk;
+#: ``[1, 8, 1024, 1024]``): below, a call saves a few ms at most (``[1, 8, 512, 512]``: 2.5-7
+#: ms against 8-14 on the portable path, 2-core CPU), which would take hundreds of calls
+#: to repay the 2-7 s that Flex's first call of a shape compiles (docs/fast-paths.md).
+MIN_SCORES = 8 * 1024 * 1024
 
-#: ``auto`` takes Flex for a call whose blocks are all computed (no band, segments or block
-#: plan that skips blocks: a softcap or score_mod alone) only from this many scores per
-#: head; a call that skips blocks from :data:`MIN_SCORES`.
-MIN_DENSE_SCORES = 2048 * 2048
-
-#: ``auto`` takes Flex only where the call keeps at most this share of the blocks.
-MAX_DENSITY = 1.0
+#: ``auto`` takes Flex only where the band and a block plan keep at most this share of
+#: Flex's blocks (or segment ids skip blocks): computing every block it measured no faster
+#: than the blockwise path (softcap alone: 0.91-1.13x at L = 512-2048), with causal
+#: (about half the blocks) 1.1-1.9x faster (docs/fast-paths.md).
+MAX_DENSITY = 0.6
 
 
 def switched_off() -> bool:
@@ -156,17 +156,24 @@ def _blocks_kept(call: _spec.Call) -> float:
 
 def auto_declined(call: _spec.Call) -> str | None:
     """Why ``auto`` takes another path although Flex could run ``call`` (None: Flex)."""
-    if not (call.modded or call.softcap is not None or call.window is not None):
-        return "nothing here needs Flex (no mods, segment ids, window or softcap)"
-    scores = call.q_shape[-2] * call.k_shape[-2]
-    skips = call.segments is not None or (call.blocks is not None and call.blocks.density < 1)
-    skips = skips or call.window is not None
-    least = MIN_SCORES if skips else MIN_DENSE_SCORES
-    if scores < least:
+    total = math.prod(call.q_shape[:-2]) * call.q_shape[-2] * call.k_shape[-2]
+    if total < MIN_SCORES:
         return (
-            f"Lq * Lk = {scores} is under {least} scores per head, where the portable path "
-            "measured as fast as Flex and Flex's first call of a shape compiles for seconds "
-            "(docs/fast-paths.md)"
+            f"the call has {total} scores, under the {MIN_SCORES} from which Flex's saving "
+            "repays its first call's compilation (2-7 s on the CPU; docs/fast-paths.md)"
+        )
+    share = _blocks_kept(call)
+    if call.segments is None and share > MAX_DENSITY:
+        if call.mask_mod and call.blocks is None:
+            return (
+                "a mask_mod given as a function: Flex would compute and mask every block "
+                "(measured 0.46-0.70x the speed of the blockwise path, which skips the blocks "
+                "it empties); pass masks.block_plan(mask_mod, ...) and Flex computes only its "
+                "blocks"
+            )
+        return (
+            f"Flex would compute {share:.0%} of the blocks, and computing most blocks it "
+            "measured no faster than the portable path (docs/fast-paths.md)"
         )
     return None
 
@@ -177,6 +184,8 @@ def taken_reason(call: _spec.Call) -> str:
     share = _blocks_kept(call)
     if share < 1:
         parts.append(f"computing only the {share:.0%} of its blocks that the band/plan keep")
+    if call.segments is not None:
+        parts.append("computing only the blocks where the segment ids meet")
     parts.append(
         "measured faster than the blockwise path and SDPA for this call class "
         "(docs/fast-paths.md); the first call of each shape and set of mods compiles it "
@@ -196,22 +205,37 @@ def taken_reason(call: _spec.Call) -> str:
 
 
 def _band_blocks(call: _spec.Call, size: int, nq: int, nk: int) -> tuple[Any, Any]:
-    """``(kept, full)`` boolean ``[nq, nk]`` tensors of the band (None: no band)."""
+    """``(kept, full)`` boolean ``[1, 1, nq, nk]`` tensors of the band (None: no band)."""
     if _core.band_keeps_all(call):
         return None, None
     lq, lk = call.q_shape[-2], call.k_shape[-2]
+    return _band_grid(lq, lk, size, call.band_sides, call.align)
+
+
+@functools.lru_cache(maxsize=64)
+def _band_grid(
+    lq: int, lk: int, size: int, sides: tuple[int | None, int | None], align: str
+) -> tuple[Any, Any]:
+    """:func:`_band_blocks` of a band (read only; cached: at L = 8192 the loop over the
+    grid's blocks took a few ms a call)."""
+    left, right = sides
+    offset = _band.offset(lq, lk, align)
+    nq, nk = -(-lq // size), -(-lk // size)
     kept = torch.zeros((nq, nk), dtype=torch.bool)
     full = torch.zeros((nq, nk), dtype=torch.bool)
     for qi in range(nq):
-        rows = (qi * size, min((qi + 1) * size, lq))
-        start, stop = _core.key_span(call, rows)
-        if start >= stop:
-            continue
+        r0, r1 = qi * size, min((qi + 1) * size, lq)
+        start = 0 if left is None else max(0, r0 + offset - left)
+        stop = lk if right is None else min(lk, r1 - 1 + offset + right + 1)
         for ki in range(start // size, -(-stop // size)):
-            cols = (ki * size, min((ki + 1) * size, lk))
+            c0, c1 = ki * size, min((ki + 1) * size, lk)
             kept[qi, ki] = True
-            full[qi, ki] = _core._block_is_full(call, rows, cols)
-    return kept, full
+            # full: every key of the block within the band of every query of the block
+            nearest, farthest = c0 - (r1 - 1) - offset, (c1 - 1) - r0 - offset
+            full[qi, ki] = (left is None or nearest >= -left) and (
+                right is None or farthest <= right
+            )
+    return kept[None, None], full[None, None]
 
 
 def _plan_blocks(call: _spec.Call, nq: int, nk: int) -> tuple[Any, Any]:
@@ -267,6 +291,7 @@ def _block_mask(kept: Any, full: Any, size: int, lengths: tuple[int, int], mask_
         order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return count.contiguous(), order.contiguous()
 
+    kept, full = torch.broadcast_tensors(kept, full)
     partial = kept & ~full
     kv_num, kv_idx = indices(partial)
     full_num, full_idx = indices(full)
