@@ -34,8 +34,13 @@ mod Flex cannot trace an error, never a silent eager fallback. Values the mods r
 not recompile. The first call of a class compiles for 2-7 s on the CPU
 (docs/fast-paths.md).
 
-``PORTABLE_ATTENTION_FLEX=0`` (read at each plan; ``off``/``false`` too) turns this path
-off: ``auto`` then plans as without Flex and says so.
+``PORTABLE_ATTENTION_FLEX=0`` (``off``, ``false``, ``no`` too) turns this path off:
+``auto`` then plans as without Flex and says so. Plans are cached by the call's
+description, so set it before the first call (or in a fresh process).
+
+While a caller's ``torch.compile`` traces ``attend``, Flex is not planned (the call takes
+the path it took before Flex: SDPA or the portable path): the compiled function and the
+BlockMask are built outside a trace.
 """
 
 from __future__ import annotations
@@ -112,17 +117,17 @@ def _cpu(call: _spec.Call) -> bool:
 
 def flex_reason(call: _spec.Call) -> str | None:
     """Why Flex cannot give the contract's answer for ``call`` (None: it can)."""
+    if torch.compiler.is_compiling():
+        return (
+            "a caller's torch.compile is tracing this call: Flex is planned for eager calls "
+            "only (its compiled function and its BlockMask are built outside a trace)"
+        )
     device = getattr(call.device, "type", None)
     missing = unavailable(device or "unknown")
     if missing is not None:
         return missing
     if call.symbolic:
         return "Flex's BlockMask needs static lengths (the shapes are symbolic)"
-    if call.segments is not None and torch.compiler.is_compiling():
-        return (
-            "the blocks of segment ids are read from the ids on the host, not while "
-            "torch.compile traces"
-        )
     if call.q_shape[-2] == 0 or call.k_shape[-2] == 0:
         return "the call has no queries or no keys"
     if call.return_weights:
@@ -180,17 +185,18 @@ def auto_declined(call: _spec.Call) -> str | None:
 
 def taken_reason(call: _spec.Call) -> str:
     """Why ``auto`` (or ``fused``) takes Flex for ``call``, in words."""
-    parts = ["FlexAttention (compiled) runs this call"]
+    what = "FlexAttention (compiled) runs this call"
     share = _blocks_kept(call)
     if share < 1:
-        parts.append(f"computing only the {share:.0%} of its blocks that the band/plan keep")
+        what += f", computing only the {share:.0%} of its blocks that the band/plan keep"
     if call.segments is not None:
-        parts.append("computing only the blocks where the segment ids meet")
-    parts.append(
-        "measured faster than the blockwise path and SDPA for this call class "
+        what += ", only the blocks where the segment ids meet"
+    parts = [
+        what,
+        "it measured faster than the blockwise path and SDPA for this call class "
         "(docs/fast-paths.md); the first call of each shape and set of mods compiles it "
-        "(2-7 s on the CPU)"
-    )
+        "(2-7 s on the CPU)",
+    ]
     if _cpu(call):
         parts.append(
             "on the CPU Flex has no backward and no lse (torch 2.13): where autograd needs "
@@ -491,15 +497,12 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
 
     want_lse = not _cpu(call)
     args = (q4, k4, v4, score_mod, block_mask, call.scale, hq != hk, want_lse)
-    if torch.compiler.is_compiling():  # a caller's torch.compile compiles it with its graph
-        out, lse = _flex_call(*args)
-    else:
-        key = (
-            device.type, q.dtype, qs, ks, vs, size, want_lse, _code(score_mod), _code(mask_mod),
-            _code(mods.score_mod if mods is not None else None),
-            _code(mods.mask_mod if mods is not None else None),
-        )  # fmt: skip
-        out, lse = _compiled(key)(*args)
+    key = (
+        device.type, q.dtype, qs, ks, vs, size, want_lse, _code(score_mod), _code(mask_mod),
+        _code(mods.score_mod if mods is not None else None),
+        _code(mods.mask_mod if mods is not None else None),
+    )  # fmt: skip
+    out, lse = _compiled(key)(*args)
     out = out.reshape((*qs[:-1], vs[-1]))
     if lse is not None:
         lse = lse.reshape(qs[:-1])
