@@ -313,3 +313,40 @@ print(out.shape)
     )
     assert "FlexAttention is turned off" in lines[2]
     assert lines[3] == "torch.Size([1, 2, 300, 16])"
+
+
+@needs_flex
+@pytest.mark.compile
+@pytest.mark.parametrize("form", ["function", "block plan"])
+def test_a_flex_call_keeps_no_mod_alive(form: str) -> None:
+    """FlexAttention's document-mask pattern through Flex: a fresh ``mask_mod`` per batch,
+    closing over that batch's ids. Once the calls have returned, neither the package's
+    caches (the compiled functions are keyed by the mods' code, never the functions) nor
+    torch.compile's hold a mod or what it captured."""
+    import gc
+    import weakref
+
+    from helpers import Capture
+
+    lq = 200
+    (q,) = _tensors([(1, 2, lq, 16)], "keeps-no-mod")
+    alive = []
+    for batch in range(3):
+        ids_np = np.arange(lq) // (20 + 10 * batch)
+        capture = Capture(torch.tensor(ids_np))
+
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any, c: Capture = capture) -> Any:
+            return c.value[q_idx] == c.value[kv_idx]
+
+        m = mod if form == "function" else masks.block_plan(mod, lq, lq, like=q)
+        assert plan(q, q, q, mask_mod=m, softcap=4.0, implementation="fused").path == FLEX
+        with torch.no_grad():
+            out = attend(q, q, q, mask_mod=m, softcap=4.0, implementation="fused")
+        expected = oracle.attention(
+            *(q.double().numpy(),) * 3, mask=ids_np[:, None] == ids_np[None, :], softcap=4.0
+        )[0]
+        assert_close(out.numpy(), expected, "float32")
+        alive.append(weakref.ref(capture))
+        del capture, mod, m, out
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)

@@ -330,19 +330,12 @@ def _score_mod(call: _spec.Call, mods: _mods.Mods | None, device: Any) -> Any:
     return both
 
 
-def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) -> Any:
-    """Flex's ``mask_mod``: the band (global, or within segments with positions), the
-    segment ids, the user's mask_mod; None where nothing masks. Every value is a tensor
-    the closure captures (no recompilation for another window or offset)."""
-    checks: list[Callable[[Any, Any, Any, Any], Any]] = []
-    i64 = torch.int64
-    left, right = call.band_sides
-    bounds = {
-        side: torch.tensor(value, dtype=i64, device=device)
-        for side, value in (("left", left), ("right", right))
-        if value is not None
-    }
-    lo, hi = bounds.get("left"), bounds.get("right")
+def _within(sides: tuple[int | None, int | None], device: Any) -> Callable[[Any], Any]:
+    """``distance -> -left <= distance <= right`` with the sides as captured tensors (no
+    recompilation for another window); None where both sides are unbounded."""
+    left, right = sides
+    lo = None if left is None else torch.tensor(left, dtype=torch.int64, device=device)
+    hi = None if right is None else torch.tensor(right, dtype=torch.int64, device=device)
 
     def within(distance: Any) -> Any:
         keep = None if lo is None else distance >= -lo
@@ -350,6 +343,37 @@ def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) 
             keep = distance <= hi if keep is None else keep & (distance <= hi)
         return keep
 
+    return within
+
+
+def _band_mod(
+    lq: int, lk: int, sides: tuple[int | None, int | None], align: str, device: Any
+) -> Any:
+    """The mask_mod of the global band: ``-left <= kv_idx - (q_idx + offset) <= right``
+    (:mod:`portable_attention._band`'s rule), its offset and sides captured tensors."""
+    within = _within(sides, device)
+    offset = torch.tensor(_band.offset(lq, lk, align), dtype=torch.int64, device=device)
+
+    def band(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return within(kv_idx - (q_idx + offset))
+
+    return band
+
+
+def _band_keeps_all(lq: int, lk: int, sides: tuple[int | None, int | None], align: str) -> bool:
+    """Whether the global band keeps every score (as ``_core.band_keeps_all``)."""
+    left, right = sides
+    offset = _band.offset(lq, lk, align)
+    nearest, farthest = -(lq - 1) - offset, (lk - 1) - offset
+    return (left is None or nearest >= -left) and (right is None or farthest <= right)
+
+
+def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) -> Any:
+    """Flex's ``mask_mod``: the band (global, or within segments with positions), the
+    segment ids, the user's mask_mod; None where nothing masks. Every value is a tensor
+    the closure captures (no recompilation for another window or offset)."""
+    checks: list[Callable[[Any, Any, Any, Any], Any]] = []
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
     if ids is not None:
         q_ids, kv_ids, q_pos, kv_pos = ids
 
@@ -357,21 +381,15 @@ def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) 
             return q_ids[b, q_idx] == kv_ids[b, kv_idx]
 
         checks.append(same_segment)
-        if q_pos is not None and bounds:
+        if q_pos is not None and call.band_sides != (None, None):
+            within = _within(call.band_sides, device)
 
             def segment_band(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return within(kv_pos[b, kv_idx] - q_pos[b, q_idx])
 
             checks.append(segment_band)
-    if call.global_band and not _core.band_keeps_all(call):
-        offset = torch.tensor(
-            _band.offset(call.q_shape[-2], call.k_shape[-2], call.align), dtype=i64, device=device
-        )
-
-        def band(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return within(kv_idx - (q_idx + offset))
-
-        checks.append(band)
+    if call.global_band and not _band_keeps_all(lq, lk, call.band_sides, call.align):
+        checks.append(_band_mod(lq, lk, call.band_sides, call.align, device))
     user = mods.mask_mod if mods is not None else None
     if user is not None:
         checks.append(user)
@@ -458,19 +476,17 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
     CUDA only), rows with no key repaired to ``out = 0``, ``lse = -inf`` where Flex
     returns ``lse``."""
     device = q.device
-    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
-    lq, lk = qs[-2], ks[-2]
-    batch = 1
-    for n in qs[:-3]:
-        batch *= n
-    hq = qs[-3] if len(qs) >= 3 else 1
-    hk = ks[-3] if len(ks) >= 3 else 1
-    q4 = q.reshape(batch, hq, lq, qs[-1])
-    k4 = k.reshape(batch, hk, lk, ks[-1])
-    v4 = v.reshape(batch, hk, lk, vs[-1])
+    lq, lk = call.q_shape[-2], call.k_shape[-2]
     size = call.blocks.block_size if call.blocks is not None else BLOCK
     nq, nk = -(-lq // size), -(-lk // size)
-
+    band_only = call.blocks is None and (
+        mods is None or (mods.q_ids is None and mods.mask_mod is None)
+    )
+    if band_only:  # the whole BlockMask depends on the shapes and options alone
+        block_mask = _band_block_mask(
+            lq, lk, size, call.band_sides, call.align, call.global_band, device
+        )
+        return _run(call, q, k, v, mods, block_mask)
     kept, full = _band_blocks(call, size, nq, nk)
     if call.blocks is not None:
         pk, pf = _plan_blocks(call, nq, nk)
@@ -478,7 +494,7 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
         full = pf if full is None else pf & full
     ids = None
     if mods is not None and mods.q_ids is not None:
-        ids = _flat_ids(call, mods, batch)
+        ids = _flat_ids(call, mods, math.prod(call.q_shape[:-3]))
         sk, sf = _segment_blocks(ids[0], ids[1], size, nq, nk)
         if ids[2] is not None:
             sf = torch.zeros_like(sf)  # a band within segments: every block takes the mask
@@ -493,6 +509,45 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
         if full is None or (mods is not None and mods.mask_mod is not None and call.blocks is None):
             full = torch.zeros_like(kept)
         block_mask = _block_mask(kept.to(device), full.to(device), size, (lq, lk), mask_mod)
+    return _run(call, q, k, v, mods, block_mask)
+
+
+@functools.lru_cache(maxsize=32)
+def _band_block_mask(
+    lq: int,
+    lk: int,
+    size: int,
+    sides: tuple[int | None, int | None],
+    align: str,
+    global_band: bool,
+    device: Any,
+) -> Any:
+    """The BlockMask of a call whose only mask is its band (None: no band): built once
+    per shape and band (it holds no user data: the band's mask_mod is this module's, its
+    sides captured tensors). At L = 1024 building it took about 1 ms a call."""
+    if not global_band or _band_keeps_all(lq, lk, sides, align):
+        return None
+    kept, full = _band_grid(lq, lk, size, sides, align)
+    mask_mod = _band_mod(lq, lk, sides, align, device)
+    return _block_mask(kept.to(device), full.to(device), size, (lq, lk), mask_mod)
+
+
+def _run(
+    call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None, block_mask: Any
+) -> tuple[Any, Any]:
+    """Flex of ``q, k, v`` (any leading dims) with ``block_mask`` and the call's
+    score_mod, compiled once per shape class; ``(out, lse or None)``."""
+    device = q.device
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    lq, lk = qs[-2], ks[-2]
+    batch = math.prod(qs[:-3])
+    hq = qs[-3] if len(qs) >= 3 else 1
+    hk = ks[-3] if len(ks) >= 3 else 1
+    q4 = q.reshape(batch, hq, lq, qs[-1])
+    k4 = k.reshape(batch, hk, lk, ks[-1])
+    v4 = v.reshape(batch, hk, lk, vs[-1])
+    size = call.blocks.block_size if call.blocks is not None else BLOCK
+    mask_mod = None if block_mask is None else block_mask.mask_mod
     score_mod = _score_mod(call, mods, device)
 
     want_lse = not _cpu(call)
@@ -501,6 +556,9 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
         device.type, q.dtype, qs, ks, vs, size, want_lse, _code(score_mod), _code(mask_mod),
         _code(mods.score_mod if mods is not None else None),
         _code(mods.mask_mod if mods is not None else None),
+        # what the mods compose (their values are captured tensors: no key)
+        call.segments, call.global_band, call.band_sides == (None, None),
+        call.softcap is not None, call.blocks is not None,
     )  # fmt: skip
     out, lse = _compiled(key)(*args)
     out = out.reshape((*qs[:-1], vs[-1]))
