@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from portable_attention import _band, _core, _mods, _spec
+from portable_attention.backends import adapter
 from portable_attention.backends._base import Kernel
 
 #: The environment variable that turns the Flex path off (``0``, ``off``, ``false``, ``no``).
@@ -598,9 +599,7 @@ class FlexAttention(Kernel):
         if _cpu(call) and _needs_grad(call, q, k, v):
             if call.implementation == "fused":
                 raise cpu_training_error()
-            from portable_attention.backends.torch import ADAPTER
-
-            out, lse = ADAPTER.blockwise(call, q, k, v, mask, bias, None, mods)
+            out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
             return out, None, lse
         if _cpu(call):
             with torch.no_grad():
