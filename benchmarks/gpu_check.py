@@ -347,6 +347,8 @@ def _flex_calls(device: str, length: int) -> list[tuple[str, dict[str, Any]]]:
         ("block plan", {"mask_mod": masks.block_plan(sliding, length, length)}),
         ("rows with no key", {"mask_mod": late}),
     ]
+    if device != "cpu":  # ... and their lse -inf (from Flex's lse)
+        calls[-1][1]["return_lse"] = True
     if device != "cpu":  # Flex returns lse on CUDA: sinks merged from it, return_lse
         calls.append(("sinks, window", {"sinks": "sinks", "causal": True, "window": (127, 0)}))
         calls.append(("return_lse, segment ids", {"segment_ids": ids, "return_lse": True}))
@@ -401,6 +403,9 @@ def _torch_flex_case(
         check(f"{name} lse", relative_error(got[1], expected[1].detach()), 2 * rtol, rel)
     if name.endswith("rows with no key"):
         check(f"{name}: rows are 0", float(out[:, :, :64].abs().max()), 0.0)
+        if isinstance(got, tuple):
+            lse_ok = bool(torch.all(got[1][:, :, :64] == -torch.inf))
+            expect(f"{name}: their lse is -inf", lse_ok, f"lse {got[1][0, 0, :3].tolist()}")
     if device != "cpu":  # Flex's own backward
         xs, opts = args(device, dt, True)
         loss(attend(*xs[:3], implementation="fused", **opts)).backward()

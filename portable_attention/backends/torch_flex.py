@@ -31,7 +31,7 @@ dtype, shapes, and the code of each mod; never a function or a tensor), in an
 (8 per code object) is never reached across shape classes, and ``fullgraph=True`` makes a
 mod Flex cannot trace an error, never a silent eager fallback. Values the mods read
 (softcap, the band's sides, the ids) are tensors the mods capture, so a new value does
-not recompile. The first call of a class compiles for 2-7 s on the CPU
+not recompile. The first call of a class compiles for 3-7 s on the CPU
 (docs/fast-paths.md).
 
 ``PORTABLE_ATTENTION_FLEX=0`` (``off``, ``false``, ``no`` too) turns this path off:
@@ -71,7 +71,7 @@ BLOCK = 128
 #: ``auto`` takes Flex only from this many scores per call (batch * heads * Lq * Lk;
 #: ``[1, 8, 1024, 1024]``): below, a call saves a few ms at most (``[1, 8, 512, 512]``: 2.5-7
 #: ms against 8-14 on the portable path, 2-core CPU), which would take hundreds of calls
-#: to repay the 2-7 s that Flex's first call of a shape compiles (docs/fast-paths.md).
+#: to repay the 3-7 s that Flex's first call of a shape compiles (docs/fast-paths.md).
 MIN_SCORES = 8 * 1024 * 1024
 
 #: ``auto`` takes Flex only where the band and a block plan keep at most this share of
@@ -166,7 +166,7 @@ def auto_declined(call: _spec.Call) -> str | None:
     if total < MIN_SCORES:
         return (
             f"the call has {total} scores, under the {MIN_SCORES} from which Flex's saving "
-            "repays its first call's compilation (2-7 s on the CPU; docs/fast-paths.md)"
+            "repays its first call's compilation (3-7 s on the CPU; docs/fast-paths.md)"
         )
     share = _blocks_kept(call)
     if call.segments is None and share > MAX_DENSITY:
@@ -192,11 +192,12 @@ def taken_reason(call: _spec.Call) -> str:
         what += f", computing only the {share:.0%} of its blocks that the band/plan keep"
     if call.segments is not None:
         what += ", only the blocks where the segment ids meet"
+    where = "" if _cpu(call) else " on the CPU (on CUDA not yet measured)"
     parts = [
         what,
-        "it measured faster than the blockwise path and SDPA for this call class "
+        f"it measured faster than the blockwise path and SDPA for this call class{where} "
         "(docs/fast-paths.md); the first call of each shape and set of mods compiles it "
-        "(2-7 s on the CPU)",
+        "(3-7 s on the CPU)",
     ]
     if _cpu(call):
         parts.append(
@@ -427,18 +428,17 @@ def _flat_ids(call: _spec.Call, mods: _mods.Mods, batch: int) -> tuple[Any, ...]
 
 def _flex_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, scale: float,
                gqa: bool, lse: bool) -> Any:  # fmt: skip
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention import flex_attention as fa
 
-    if lse:
-        out, aux = flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-            return_aux=AuxRequest(lse=True),
-        )  # fmt: skip
+    options = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale}
+    if not lse:
+        return fa.flex_attention(q, k, v, enable_gqa=gqa, **options), None
+    if hasattr(fa, "AuxRequest"):  # torch >= 2.9; return_lse before (deprecated since)
+        out, aux = fa.flex_attention(
+            q, k, v, enable_gqa=gqa, return_aux=fa.AuxRequest(lse=True), **options
+        )
         return out, aux.lse
-    out = flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa
-    )
-    return out, None
+    return fa.flex_attention(q, k, v, enable_gqa=gqa, return_lse=True, **options)
 
 
 @functools.lru_cache(maxsize=32)
