@@ -350,3 +350,22 @@ def test_a_flex_call_keeps_no_mod_alive(form: str) -> None:
         del capture, mod, m, out
     gc.collect()
     assert [r() is None for r in alive] == [True] * len(alive)
+
+
+@needs_flex
+@pytest.mark.compile
+def test_a_compiled_caller_takes_the_path_before_flex() -> None:
+    """``torch.compile(fullgraph=True)`` of a caller whose eager call takes Flex: while it
+    traces, Flex is not planned (the blockwise path's custom operator runs instead), and
+    the results agree."""
+    q, k, v = _tensors([(1, 8, 1024, 32)] * 3, "compiled-caller")
+    assert plan(q, k, v, softcap=5.0, causal=True).path == FLEX
+
+    def call(a: Any, b: Any, c: Any) -> Any:
+        return attend(a, b, c, softcap=5.0, causal=True)
+
+    with torch.no_grad():
+        eager = call(q, k, v)
+        torch._dynamo.reset()  # a fresh trace, not one cached by an earlier test
+        compiled = torch.compile(call, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

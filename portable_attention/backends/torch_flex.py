@@ -472,6 +472,15 @@ def cpu_training_error() -> ValueError:
     return ValueError(msg)
 
 
+def tracing_error() -> ValueError:
+    msg = (
+        '`implementation="fused"` cannot run this call under torch.compile: FlexAttention '
+        "is taken for eager calls only (its BlockMask and compiled function are built "
+        'outside a trace); use implementation="auto" there.'
+    )
+    return ValueError(msg)
+
+
 def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> tuple[Any, Any]:
     """``(out, lse or None)`` of Flex for a call :func:`flex_reason` accepted (``lse`` on
     CUDA only), rows with no key repaired to ``out = 0``, ``lse = -inf`` where Flex
@@ -596,9 +605,13 @@ class FlexAttention(Kernel):
         keep: Any,
         mods: Any = None,
     ) -> tuple[Any, Any, Any]:
-        if _cpu(call) and _needs_grad(call, q, k, v):
+        # A call planned eagerly and memoised, now traced by a caller's torch.compile (the
+        # memo's runner is reused there), or one that needs a CPU gradient: the blockwise
+        # path, which serves every call Flex does.
+        tracing = torch.compiler.is_compiling()
+        if tracing or (_cpu(call) and _needs_grad(call, q, k, v)):
             if call.implementation == "fused":
-                raise cpu_training_error()
+                raise tracing_error() if tracing else cpu_training_error()
             out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
             return out, None, lse
         if _cpu(call):
