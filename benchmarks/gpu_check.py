@@ -412,12 +412,12 @@ def _torch_flex_case(
         loss(expected).backward()
         for label, g, r in zip(("dq", "dk", "dv", "dsinks"), xs, ref_xs, strict=False):
             check(f"{name} {label}", relative_error(g.grad, r.grad), 10 * rtol, rel)
-    fast = [x.detach() for x in xs[:3]]
+    fq, fk, fv = (x.detach() for x in xs[:3])
     opts = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
     with torch.no_grad():
-        ours = timed(lambda: attend(*fast, implementation="fused", **opts), sync, repeats=5)
+        ours = timed(lambda: attend(fq, fk, fv, implementation="fused", **opts), sync, repeats=5)
         anchor = timed(
-            lambda: F.scaled_dot_product_attention(*fast, is_causal=True, enable_gqa=True),
+            lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True),
             sync,
             repeats=5,
         )

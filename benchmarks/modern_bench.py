@@ -289,7 +289,9 @@ def flex_section(args: argparse.Namespace) -> list[Row]:
     def sdpa_train() -> None:
         for x in leaves:
             x.grad = None
-        F.scaled_dot_product_attention(*leaves, is_causal=True).sum().backward()
+        F.scaled_dot_product_attention(
+            leaves[0], leaves[1], leaves[2], is_causal=True
+        ).sum().backward()
 
     rows = []
     for name, opts, mask_mod, score_mod in classes:
