@@ -193,17 +193,26 @@ def taken_reason(call: _spec.Call) -> str:
     if call.segments is not None:
         what += ", only the blocks where the segment ids meet"
     where = "" if _cpu(call) else " on the CPU (on CUDA not yet measured)"
+    why = (
+        "implementation='fused' asked for it"
+        if call.implementation == "fused"
+        else f"it measured faster than the blockwise path and SDPA for this call class{where} "
+        "(docs/fast-paths.md)"
+    )
     parts = [
         what,
-        f"it measured faster than the blockwise path and SDPA for this call class{where} "
-        "(docs/fast-paths.md); the first call of each shape and set of mods compiles it "
-        "(3-7 s on the CPU)",
+        f"{why}; the first call of each shape and set of mods compiles it (3-7 s on the CPU)",
     ]
     if _cpu(call):
         parts.append(
             "on the CPU Flex has no backward and no lse (torch 2.13): where autograd needs "
             "gradients (grad mode on and q, k or v requiring grad; with a score_mod, grad "
-            "mode on) auto runs portable:blockwise instead"
+            "mode on) "
+            + (
+                "this call raises"
+                if call.implementation == "fused"
+                else "auto runs portable:blockwise instead"
+            )
         )
     return "; ".join(parts)
 
