@@ -41,12 +41,13 @@ class Plan:
     Attributes
     ----------
     path : str
-        Three kinds, named ``kind:where``. ``"fused:torch"``, ``"fused:jax"``,
-        ``"fused:cupy-via-torch"``: the framework's own fused kernel (SDPA,
-        ``jax.nn.dot_product_attention``). ``"tuned:numpy"``: this package's NumPy-only
-        blocked kernel; ``"tuned:jax"``: the dense path on query blocks under
-        ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on each batch/head
-        chunk of dask arrays. ``"portable:dense"``: the array-API implementation with the
+        Three kinds, named ``kind:where``. ``"fused:torch"``, ``"fused:torch-flex"``,
+        ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's own fused kernel (SDPA,
+        FlexAttention compiled, ``jax.nn.dot_product_attention``). ``"tuned:numpy"``:
+        this package's NumPy-only blocked kernel; ``"tuned:jax"``: the dense path on
+        query blocks under ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on
+        each batch/head chunk of dask arrays. ``"portable:dense"``: the array-API
+        implementation with the
         whole score matrix (autodiff saves its probabilities for backward);
         ``"portable:blockwise"``: the array-API blockwise path, an online softmax over
         query and key blocks whose backward (FlashAttention-2's) recomputes each block
