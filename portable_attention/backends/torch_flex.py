@@ -102,7 +102,8 @@ def unavailable(device_type: str) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _cpu_unavailable() -> str | None:
     """Why inductor cannot compile Flex's CPU kernel here (None: it can)."""
-    if sys.platform == "darwin" or not torch.cpu._is_avx2_supported():
+    avx2 = getattr(torch.cpu, "_is_avx2_supported", lambda: True)
+    if sys.platform == "darwin" or not avx2():
         return "inductor's FlexAttention CPU kernel needs an x86 CPU with AVX2 (not macOS)"
     if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
         return "inductor's FlexAttention CPU kernel is off with ATEN_CPU_CAPABILITY=default"
