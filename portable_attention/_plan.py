@@ -47,8 +47,8 @@ class Plan:
         this package's NumPy-only blocked kernel; ``"tuned:jax"``: the dense path on
         query blocks under ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on
         each batch/head chunk of dask arrays. ``"portable:dense"``: the array-API
-        implementation with the
-        whole score matrix (autodiff saves its probabilities for backward);
+        implementation with the whole score matrix (autodiff saves its probabilities for
+        backward);
         ``"portable:blockwise"``: the array-API blockwise path, an online softmax over
         query and key blocks whose backward (FlashAttention-2's) recomputes each block
         from the saved q, k, v, out and lse (torch: an ``autograd.Function``; JAX: a
