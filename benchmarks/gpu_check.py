@@ -14,6 +14,10 @@ blockwise path's gradients in each dtype (torch autograd, ``jax.grad``, CuPy's
 ``attend_backward``) as close to float32's as SDPA's or jax.nn's own gradients in that
 dtype, and the training row's time ratio against SDPA. Sinks, segment ids and a
 ``mask_mod`` (issue 18) on the device, against the same call on the CPU in float64.
+FlexAttention (issue 26, ``fused:torch-flex``): windows with softcap, segment ids, an
+ALiBi score_mod, a block plan, rows with no key, sinks and ``return_lse`` (from Flex's
+lse) in each dtype, forward and Flex's own backward against the CPU's float64, and its
+time against SDPA's causal attention.
 
 Each framework runs in a process of its own (``--section NAME``) under a time limit, so
 that a crash or hang in one cannot take the others' results, and JAX never meets the
@@ -135,6 +139,7 @@ def torch_cuda() -> bool:
     torch_checks("cuda", SHAPES, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
     torch_training("cuda", 1024, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
     section("torch training row", functools.partial(_torch_training_row, "cuda", 8192))
+    torch_flex_checks("cuda", 2048, ("float16", "bfloat16", "float32"), torch.cuda.synchronize)
     return True
 
 
@@ -300,6 +305,127 @@ def _torch_modern(device: str) -> None:
     check("torch sinks/segments/mask_mod output", relative_error(out, ref_out), tol, rel)
     for label, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, strict=True):
         check(f"torch sinks/segments/mask_mod {label}", relative_error(g, r), tol, rel)
+
+
+def torch_flex_checks(
+    device: str, length: int, dtypes: tuple[str, ...], sync: Callable[[], Any]
+) -> None:
+    """FlexAttention (``fused:torch-flex``, issue 26) on ``device``: each call SDPA cannot
+    take, asked for with ``implementation="fused"``, in each dtype, ``[1, 8, L, 64]`` (4
+    K/V heads: grouped), forward (and on CUDA backward, Flex's own) against the same call
+    in float64 on the CPU (the portable path), rows with no key, and its time against
+    SDPA's plain causal attention. On the CPU (the tests) forward only: Flex has no CPU
+    backward, lse or sinks there."""
+    for dtype in dtypes:
+        for label, options in _flex_calls(device, length):
+            name = f"torch flex {dtype} L={length} {label}"
+            case = functools.partial(_torch_flex_case, name, device, length, dtype, options, sync)
+            section(name, case)
+
+
+def _flex_calls(device: str, length: int) -> list[tuple[str, dict[str, Any]]]:
+    """The calls of :func:`torch_flex_checks` (factories of their torch arguments)."""
+    import torch
+
+    from portable_attention import masks
+
+    def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        slopes = torch.linspace(0.02, 0.3, 8, device=score.device)
+        return score - slopes[h] * (q_idx - kv_idx).abs().to(score.dtype)
+
+    def sliding(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+
+    def late(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= 64) & (q_idx >= kv_idx)  # rows before 64 see no key
+
+    ids = torch.arange(length) * 7 // length  # 7 packed sequences
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("window+softcap", {"causal": True, "window": (255, 0), "softcap": 30.0}),
+        ("segment ids, causal", {"segment_ids": ids, "causal": True}),
+        ("ALiBi score_mod, causal", {"score_mod": alibi, "causal": True}),
+        ("block plan", {"mask_mod": masks.block_plan(sliding, length, length)}),
+        ("rows with no key", {"mask_mod": late}),
+    ]
+    if device != "cpu":  # ... and their lse -inf (from Flex's lse)
+        calls[-1][1]["return_lse"] = True
+    if device != "cpu":  # Flex returns lse on CUDA: sinks merged from it, return_lse
+        calls.append(("sinks, window", {"sinks": "sinks", "causal": True, "window": (127, 0)}))
+        calls.append(("return_lse, segment ids", {"segment_ids": ids, "return_lse": True}))
+    return calls
+
+
+def _torch_flex_case(
+    name: str,
+    device: str,
+    length: int,
+    dtype: str,
+    options: dict[str, Any],
+    sync: Callable[[], Any],
+) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    base = [torch.randn(1, h, length, 64, generator=gen, dtype=torch.float64) for h in (8, 4, 4)]
+    sinks = torch.randn(8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(1, 8, length, 64, generator=gen, dtype=torch.float64)
+
+    def args(dev: str, dt: Any, grad: bool) -> tuple[list[Any], dict[str, Any]]:
+        xs = [x.to(device=dev, dtype=dt).requires_grad_(grad) for x in base]
+        opts = {
+            key: (value.to(dev) if isinstance(value, torch.Tensor) else value)
+            for key, value in options.items()
+        }
+        if opts.get("sinks") == "sinks":
+            opts["sinks"] = sinks.to(device=dev, dtype=dt).requires_grad_(grad)
+            xs.append(opts["sinks"])
+        return xs, opts
+
+    def loss(result: Any) -> Any:
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        total = (out.double() * weight.to(out.device)).sum()
+        return total + (lse.double().sum() if lse is not None else 0)
+
+    dt = getattr(torch, dtype)
+    xs, opts = args(device, dt, False)
+    p = plan(*xs[:3], implementation="fused", **opts)
+    expect(f"{name} path", p.path == "fused:torch-flex", p.path)
+    with torch.no_grad():
+        got = attend(*xs[:3], implementation="fused", **opts)
+    ref_xs, ref_opts = args("cpu", torch.float64, True)
+    expected = attend(*ref_xs[:3], implementation="portable", **ref_opts)
+    out, ref = (got[0], expected[0]) if isinstance(got, tuple) else (got, expected)
+    rtol = gpu_tolerance(dtype, device != "cpu").rtol
+    rel = "(relative to max |x|)"
+    check(f"{name} output", relative_error(out, ref.detach()), 2 * rtol, rel)
+    if isinstance(got, tuple):
+        check(f"{name} lse", relative_error(got[1], expected[1].detach()), 2 * rtol, rel)
+    if name.endswith("rows with no key"):
+        check(f"{name}: rows are 0", float(out[:, :, :64].abs().max()), 0.0)
+        if isinstance(got, tuple):
+            lse_ok = bool(torch.all(got[1][:, :, :64] == -torch.inf))
+            expect(f"{name}: their lse is -inf", lse_ok, f"lse {got[1][0, 0, :3].tolist()}")
+    if device != "cpu":  # Flex's own backward
+        xs, opts = args(device, dt, True)
+        loss(attend(*xs[:3], implementation="fused", **opts)).backward()
+        loss(expected).backward()
+        for label, g, r in zip(("dq", "dk", "dv", "dsinks"), xs, ref_xs, strict=False):
+            check(f"{name} {label}", relative_error(g.grad, r.grad), 10 * rtol, rel)
+    fq, fk, fv = (x.detach() for x in xs[:3])
+    opts = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    with torch.no_grad():
+        ours = timed(lambda: attend(fq, fk, fv, implementation="fused", **opts), sync, repeats=5)
+        anchor = timed(
+            lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True),
+            sync,
+            repeats=5,
+        )
+    expect(
+        f"{name} speed",
+        True,
+        f"Flex {ours * 1e3:.2f} ms, SDPA causal {anchor * 1e3:.2f} ms, ratio {anchor / ours:.2f}",
+    )
 
 
 def _torch_training_row(device: str, length: int) -> None:

@@ -23,6 +23,14 @@ row times a call and its baseline on the same arrays (one untimed warm-up call e
   ``jax.jit``, forward and ``jit(grad)``. ``overhead = call / baseline - 1`` (target <=
   10%). torch and JAX rows are left out where the framework is not installed.
 
+- ``flex``: torch float32, the calls auto gives FlexAttention on the CPU (a sliding
+  window of ``--window`` keys, ``--segments`` packed sequences with ``causal``, an ALiBi
+  ``score_mod`` with ``causal``), forward and forward + backward, against
+  ``implementation="portable"`` (the blockwise path, what auto took before), against
+  ``flex_attention`` compiled and called directly with a BlockMask built beforehand
+  (forward only: Flex has no CPU backward) and against SDPA's plain causal attention.
+  ``speed-up = baseline / call``. The first call of each compiles (seconds, untimed).
+
 Times are wall-clock on whatever else the machine is running: compare ratios, not times,
 and run it twice where they matter.
 """
@@ -217,8 +225,120 @@ def _jax_sinks(args: argparse.Namespace, *arrays: np.ndarray) -> list[Row]:
     return rows
 
 
-SECTIONS = {"mods": mods_section, "segments": segments_section, "sinks": sinks_section}
-TARGETS = {"mods": "block plan >= 5x", "segments": ">= 4x", "sinks": "<= 10%"}
+def flex_section(args: argparse.Namespace) -> list[Row]:
+    """torch float32 calls that auto gives FlexAttention on the CPU (a sliding window,
+    packed sequences with causal, an ALiBi score_mod with causal): auto against the
+    portable path it took before (``implementation="portable"``: the blockwise path with
+    block skipping), against FlexAttention compiled and called directly with a BlockMask
+    built beforehand, and against SDPA's plain causal attention; forward, and forward +
+    backward of ``sum(out)`` (on the CPU Flex has no backward: auto trains on the blockwise
+    path, so the forward + backward rows compare it with the portable path and SDPA)."""
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        print("torch (with flex_attention) is not installed: the flex rows are left out")
+        return []
+    import torch.nn.functional as F
+
+    length, heads = args.length, args.heads
+    q, k, v = (torch.from_numpy(a) for a in _qkv(length, heads, args.dim))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    w, n = args.window, args.segments
+    ids = torch.arange(length) * n // length  # n sequences of equal length
+    slopes = torch.linspace(0.01, 0.2, heads)
+
+    def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score - slopes[h] * (q_idx - kv_idx).to(score.dtype)
+
+    def sliding(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < w)
+
+    def packed(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx >= kv_idx
+
+    raw = torch.compile(flex_attention, dynamic=False)
+    classes = (
+        (f"window=({w - 1}, 0), causal", {"causal": True, "window": (w - 1, 0)}, sliding, None),
+        (f"{n} packed sequences, causal", {"segment_ids": ids, "causal": True}, packed, None),
+        ("ALiBi score_mod, causal", {"score_mod": alibi, "causal": True}, causal, alibi),
+    )
+
+    def forward(opts: dict[str, Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return attend(q, k, v, **opts)
+
+        return run
+
+    def train(opts: dict[str, Any]) -> Callable[[], None]:
+        def run() -> None:
+            for x in leaves:
+                x.grad = None
+            attend(*leaves, **opts).sum().backward()
+
+        return run
+
+    def sdpa_forward() -> Any:
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def sdpa_train() -> None:
+        for x in leaves:
+            x.grad = None
+        F.scaled_dot_product_attention(
+            leaves[0], leaves[1], leaves[2], is_causal=True
+        ).sum().backward()
+
+    rows = []
+    for name, opts, mask_mod, score_mod in classes:
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+
+        def flex_direct(bm: Any = block_mask, sm: Any = score_mod) -> Any:
+            with torch.no_grad():
+                return raw(q, k, v, score_mod=sm, block_mask=bm)
+
+        portable = {**opts, "implementation": "portable"}
+        auto_path = plan(q, k, v, **opts).path
+        auto_train = f"{auto_path} (trains: {_training_path(torch, leaves, opts)})"
+        portable_path = plan(q, k, v, **portable).path
+        for what, fn, base in (
+            ("forward", forward(opts), ("portable", forward(portable), portable_path)),
+            ("forward", forward(opts), ("Flex compiled, direct", flex_direct, "flex_attention")),
+            ("forward", forward(opts), ("SDPA is_causal", sdpa_forward, "SDPA")),
+            ("fwd+bwd", train(opts), ("portable", train(portable), portable_path)),
+            ("fwd+bwd", train(opts), ("SDPA is_causal", sdpa_train, "SDPA")),
+        ):
+            path = auto_path if what == "forward" else auto_train
+            rows.append(compare(args, "flex", f"{name}, {what}", (fn, path), base, "speed-up"))
+    return rows
+
+
+def _training_path(torch: Any, leaves: list[Any], opts: dict[str, Any]) -> str:
+    """What auto runs where autograd needs gradients: on the CPU Flex has no backward."""
+    from portable_attention.backends import torch_flex
+
+    path = plan(*leaves, **opts).path
+    if path == torch_flex.KERNEL.path and leaves[0].device.type == "cpu":
+        return "portable:blockwise"
+    return path
+
+
+SECTIONS = {
+    "mods": mods_section,
+    "segments": segments_section,
+    "sinks": sinks_section,
+    "flex": flex_section,
+}
+TARGETS = {
+    "mods": "block plan >= 5x",
+    "segments": ">= 4x",
+    "sinks": "<= 10%",
+    "flex": "auto within 1.15x of Flex direct",
+}
 
 
 def _ms(seconds: float) -> str:

@@ -231,7 +231,7 @@ def run_call(
     themselves (the ids of the block's rows and of its columns) instead of the arrays and
     functions they are prepared from."""
     runner = _runner(call, choose(call).path)
-    if runner.kernel is not None:  # fused kernels decline sinks, segment ids and mods
+    if runner.kernel is not None:  # kernels of (q, k, v) alone: no sinks, ids or mods
         assert not call.modded and sinks is None
         return runner.kernel(q, k, v)
     if not call.modded and sinks is None:
@@ -260,12 +260,23 @@ def _runner(call: Call, path: str) -> Runnable:
     """
     backend = adapter(call.backend)
     # The kernels only where the plan names one: an adapter may import them when read.
-    fused = backend.fused if path not in (BLOCKWISE, DENSE) else None
-    if fused is not None and path == fused.path:
+    kernels = backend.fused_kernels if path not in (BLOCKWISE, DENSE) else ()
+    fused = next((kernel for kernel in kernels if kernel.path == path), None)
+    if fused is not None:
 
-        def run_fused(q: Any, k: Any, v: Any, mask: Any, bias: Any, rng: Any) -> Any:
+        def run_fused(
+            q: Any,
+            k: Any,
+            v: Any,
+            mask: Any,
+            bias: Any,
+            rng: Any,
+            mods: Any = None,
+            sinks: Any = None,
+        ) -> Any:
             _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
-            return _returned(call, *fused.run(call, q, k, v, mask, bias, None, None))
+            result = fused.run(call, q, k, v, mask, bias, None, mods)
+            return _returned(call, *_with_sinks(call, sinks, *result))
 
         return Runnable(run_fused, fused.prepare(call) if not call.rng_given else None)
 

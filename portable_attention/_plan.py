@@ -41,13 +41,14 @@ class Plan:
     Attributes
     ----------
     path : str
-        Three kinds, named ``kind:where``. ``"fused:torch"``, ``"fused:jax"``,
-        ``"fused:cupy-via-torch"``: the framework's own fused kernel (SDPA,
-        ``jax.nn.dot_product_attention``). ``"tuned:numpy"``: this package's NumPy-only
-        blocked kernel; ``"tuned:jax"``: the dense path on query blocks under
-        ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on each batch/head
-        chunk of dask arrays. ``"portable:dense"``: the array-API implementation with the
-        whole score matrix (autodiff saves its probabilities for backward);
+        Three kinds, named ``kind:where``. ``"fused:torch"``, ``"fused:torch-flex"``,
+        ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's own fused kernel (SDPA,
+        FlexAttention compiled, ``jax.nn.dot_product_attention``). ``"tuned:numpy"``:
+        this package's NumPy-only blocked kernel; ``"tuned:jax"``: the dense path on
+        query blocks under ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on
+        each batch/head chunk of dask arrays. ``"portable:dense"``: the array-API
+        implementation with the whole score matrix (autodiff saves its probabilities for
+        backward);
         ``"portable:blockwise"``: the array-API blockwise path, an online softmax over
         query and key blocks whose backward (FlashAttention-2's) recomputes each block
         from the saved q, k, v, out and lse (torch: an ``autograd.Function``; JAX: a
@@ -133,13 +134,17 @@ def _decide(call: Call) -> Plan:
     if implementation == "portable":
         return _portable(call, "implementation='portable' was asked for")
     backend = adapter(call.backend)
-    fused = backend.fused
-    why = f"{call.backend} has no fused attention kernel" if fused is None else fused.reason(call)
-    if fused is not None and why is None and implementation == "auto":
-        why = fused.auto_reason(call)
-    if fused is not None and why is None:
-        return Plan(fused.path, fused.why)
-    assert why is not None
+    kernels = backend.fused_kernels
+    refused: list[str] = []
+    for kernel in kernels:  # in the adapter's order: the first that runs the call takes it
+        why = kernel.reason(call)
+        if why is None and implementation == "auto":
+            why = kernel.auto_reason(call)
+        if why is None:
+            taken = kernel.taken(call)
+            return Plan(kernel.path, "; ".join([*refused, taken]) if refused else taken)
+        refused.append(why if not refused else f"not {kernel.path}: {why}")
+    why = "; ".join(refused) if refused else f"{call.backend} has no fused attention kernel"
     tuned = backend.tuned
     if implementation == "auto" and tuned is not None and not call.symbolic:
         declined = tuned.reason(call)

@@ -54,6 +54,19 @@ def test_torch_training_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     assert len(gpu_check.passed) == 2 * 4 + 5 + 1
 
 
+@requires_backend("torch")
+@pytest.mark.compile
+def test_torch_flex_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
+    from portable_attention.backends import torch_flex
+
+    if torch_flex.unavailable("cpu") is not None:
+        pytest.skip(f"Flex: {torch_flex.unavailable('cpu')}")
+    gpu_check.torch_flex_checks("cpu", 256, ("float32",), lambda: None)
+    assert gpu_check.failures == []
+    # Five calls: path, output and speed each; rows with no key are 0.
+    assert len(gpu_check.passed) == 5 * 3 + 1
+
+
 @requires_backend("jax")
 def test_jax_training_checks_pass_on_cpu(gpu_check: ModuleType) -> None:
     gpu_check._jax_blockwise_grads("jax float32 blockwise", "float32", 64)

@@ -8,7 +8,8 @@ An :class:`Adapter` binds what the array API standard cannot express for one fra
   ``matmul(q, matrix_transpose(k))``; :mod:`portable_attention._core` takes it as an
   argument.
 - ``fused``: the framework's fused kernel (``implementation="fused"`` asks for it), or
-  None.
+  None; ``fused_kernels``: all of them, in the order the planner asks them (torch: SDPA,
+  then FlexAttention).
 - ``tuned``: a kernel of the package's own written for this framework (NumPy's blocked
   kernel, JAX's query blocks under ``lax.map``, dask's per-chunk calls), which only
   ``auto`` takes, or None; its path is ``tuned:<framework>`` (``per-chunk:dask``).
@@ -83,6 +84,10 @@ class Kernel(ABC):
         it takes this kernel)."""
         return None
 
+    def taken(self, call: Call) -> str:
+        """The plan's reason where this kernel runs ``call`` (by default :attr:`why`)."""
+        return self.why
+
     @abstractmethod
     def run(
         self,
@@ -120,6 +125,14 @@ class Adapter(ABC):
         """The framework's fused kernel, or None (a subclass may import it when first
         read, as torch's and JAX's adapters do, or set a class attribute)."""
         return None
+
+    @property
+    def fused_kernels(self) -> tuple[Kernel, ...]:
+        """The fused kernels in the order the planner asks them (the first that can run
+        a call, and that ``auto`` does not decline, runs it): by default :attr:`fused`
+        alone."""
+        fused = self.fused
+        return () if fused is None else (fused,)
 
     @property
     def tuned(self) -> Kernel | None:

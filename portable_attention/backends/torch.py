@@ -335,6 +335,13 @@ class TorchAdapter(Adapter):
 
         return KERNEL
 
+    @property
+    def fused_kernels(self) -> tuple[Kernel, ...]:
+        # SDPA first; FlexAttention for what SDPA cannot take or takes slowly.
+        from portable_attention.backends.torch_flex import KERNEL as FLEX
+
+        return (self.fused, FLEX)
+
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
         from portable_attention.backends.torch_rng import keep_mask
 
