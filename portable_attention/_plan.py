@@ -120,6 +120,12 @@ def window_density(call: Call) -> float | None:
     return len(_block_grid.pairs(call, size)) / (nq * nk)
 
 
+def forget() -> None:
+    """Drop every memoised decision: a kernel found it cannot run here after all (Flex's
+    compilation failed), and the next calls plan again."""
+    _decide.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def _decide(call: Call) -> Plan:
     implementation = call.implementation

@@ -317,6 +317,52 @@ print(out.shape)
 
 @needs_flex
 @pytest.mark.compile
+def test_auto_goes_on_where_flex_fails_to_compile(tmp_path: Any) -> None:
+    """Where inductor cannot build Flex's kernel at run time (here a C++ compiler that
+    fails, ``CXX=/bin/false``, and an empty inductor cache), an ``auto`` call planned on
+    Flex still returns the contract's answer (the blockwise path), warns once, and
+    ``plan()`` says why from then on."""
+    code = """
+import warnings
+import numpy as np
+import torch
+from portable_attention import attend, plan
+q = torch.randn(1, 8, 1024, 16, generator=torch.Generator().manual_seed(0))
+print(plan(q, q, q, causal=True, window=(127, 0)).path)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = attend(q, q, q, causal=True, window=(127, 0))
+print(sum("compiling FlexAttention failed" in str(w.message) for w in caught))
+np.save(OUT, out.numpy())
+np.save(INPUT, q.numpy())
+p = plan(q, q, q, causal=True, window=(127, 0))
+print(p.path)
+print(p.reason)
+"""
+    import os
+
+    saved = {name: os.environ.get(name) for name in ("CXX", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ.update(CXX="/bin/false", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    try:
+        paths = f"OUT = {str(tmp_path / 'out.npy')!r}\nINPUT = {str(tmp_path / 'q.npy')!r}\n"
+        lines = run_python(paths + code).splitlines()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    assert lines[0] == "fused:torch-flex"
+    assert lines[1] == "1"
+    assert lines[2] == "portable:blockwise"
+    assert "compiling FlexAttention failed in this process" in lines[3]
+    x = np.load(tmp_path / "q.npy").astype(np.float64)
+    expected = oracle.attention(x, x, x, causal=True, window=(127, 0))[0]
+    assert_close(np.load(tmp_path / "out.npy"), expected, "float32")
+
+
+@needs_flex
+@pytest.mark.compile
 @pytest.mark.parametrize("form", ["function", "block plan"])
 def test_a_flex_call_keeps_no_mod_alive(form: str) -> None:
     """FlexAttention's document-mask pattern through Flex: a fresh ``mask_mod`` per batch,

@@ -81,6 +81,11 @@ MIN_SCORES = 8 * 1024 * 1024
 MAX_DENSITY = 0.6
 
 
+#: Why compiling Flex failed in this process (its first failure), once one has: ``auto``
+#: then plans the next path for every call, and a call already planned on Flex runs it.
+_FAILED: list[str] = []
+
+
 def switched_off() -> bool:
     """Whether ``PORTABLE_ATTENTION_FLEX`` turns the Flex path off."""
     return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "false", "no")
@@ -90,6 +95,8 @@ def unavailable(device_type: str) -> str | None:
     """Why Flex cannot run on this device type here (None: it can)."""
     if switched_off():
         return f"FlexAttention is turned off ({SWITCH}={os.environ[SWITCH]!r})"
+    if _FAILED:
+        return _FAILED[0]
     if _VERSION < (2, 6):
         return f"FlexAttention needs torch >= 2.6 (have {torch.__version__})"
     if device_type == "cpu":
@@ -619,17 +626,51 @@ class FlexAttention(Kernel):
         # memo's runner is reused there), or one that needs a CPU gradient: the blockwise
         # path, which serves every call Flex does.
         tracing = torch.compiler.is_compiling()
-        if tracing or (_cpu(call) and _needs_grad(call, q, k, v)):
+        if tracing or _FAILED or (_cpu(call) and _needs_grad(call, q, k, v)):
             if call.implementation == "fused":
                 raise tracing_error() if tracing else cpu_training_error()
             out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
             return out, None, lse
-        if _cpu(call):
-            with torch.no_grad():
+        try:
+            if _cpu(call):
+                with torch.no_grad():
+                    out, lse = flex(call, q, k, v, mods)
+            else:
                 out, lse = flex(call, q, k, v, mods)
-        else:
-            out, lse = flex(call, q, k, v, mods)
+        except Exception as err:
+            if call.implementation == "fused" or not _compile_failure(err):
+                raise
+            _compile_failed(err)
+            out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
         return out, None, lse
+
+
+def _compile_failure(err: BaseException) -> bool:
+    """Whether ``err`` is torch.compile's failure to build Flex's kernel here (no working
+    C++ toolchain or headers, an unsupported CPU): not a wrong call, so ``auto`` goes on."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    kinds: tuple[type[BaseException], ...] = (BackendCompilerFailed,)
+    inductor = getattr(sys.modules.get("torch._inductor.exc"), "InductorError", None)
+    if isinstance(inductor, type):
+        kinds = (*kinds, inductor)
+    return isinstance(err, kinds)
+
+
+def _compile_failed(err: BaseException) -> None:
+    """Remember (and warn once) that Flex cannot compile here: ``auto`` plans the next
+    path from now on, and ``plan()`` says why."""
+    import warnings
+
+    from portable_attention import _plan
+
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    _FAILED.append(
+        f"compiling FlexAttention failed in this process ({type(err).__name__}: {first}); "
+        "auto runs the blockwise path instead"
+    )
+    _plan.forget()
+    warnings.warn(_FAILED[0], RuntimeWarning, stacklevel=4)
 
 
 KERNEL = FlexAttention()

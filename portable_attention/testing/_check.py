@@ -23,14 +23,8 @@ from portable_attention.testing._convert import (
     import_backend,
     to_backend,
 )
-from portable_attention.testing._kit_cases import (
-    CASES,
-    RUNNERS,
-    Conventions,
-    Returned,
-    Skip,
-    rounded,
-)
+from portable_attention.testing._kit_cases import CASES, RUNNERS
+from portable_attention.testing._kit_judge import Conventions, Returned, Skip, rounded
 
 LAYOUTS = ("bhld", "blhd")
 POLARITIES = ("keep", "drop")
