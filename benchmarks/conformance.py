@@ -127,9 +127,16 @@ def _sdpa(backend_name: str) -> Built:
     return sdpa, dict(TORCH_SDPA)
 
 
-def _flex() -> Built:
+def _flex(compiled: bool = False) -> Built:
     torch = _need("torch")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    attention = flex_attention
+    if compiled:
+        # One compiled function for every case's shapes: past torch.compile's recompile
+        # limit (8) it would fall back to eager Flex without a word.
+        torch._dynamo.config.recompile_limit = 64
+        attention = torch.compile(flex_attention, dynamic=False)
 
     def flex(q: Any, k: Any, v: Any, *, mask: Any = None) -> Any:
         block_mask = None
@@ -142,10 +149,9 @@ def _flex() -> Built:
             block_mask = create_block_mask(
                 mask_mod, q.shape[0], None, q.shape[-2], k.shape[-2], device="cpu"
             )
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
-    _ = torch
-    flex.__qualname__ = "flex_attention"
+    flex.__qualname__ = "flex_attention" + ("[compiled]" if compiled else "")
     # No causal flag: causal is a mask_mod the caller writes (alignment is theirs).
     return flex, {"backend": "torch", "mask": "mask", "causal": None}
 
@@ -531,6 +537,12 @@ KERNELS: tuple[Kernel, ...] = (
         functools.partial(_sdpa, "EFFICIENT_ATTENTION"),
     ),
     Kernel("torch-flex", "torch flex_attention (eager)", ("torch",), _flex),
+    Kernel(
+        "torch-flex-compiled",
+        "torch flex_attention (torch.compile, inductor's CPU kernel)",
+        ("torch",),
+        functools.partial(_flex, compiled=True),
+    ),
     Kernel(
         "jax-nn",
         'jax.nn.dot_product_attention(implementation="xla") (jit)',
