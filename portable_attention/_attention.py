@@ -250,6 +250,28 @@ class Runnable(NamedTuple):
     kernel: Prepared | None
 
 
+def _kernel_runner(call: Call, kernel: Any, *, draws: bool) -> Any:
+    """The runner of a fused or tuned kernel: dropout's keep mask drawn here for a kernel
+    of ours (``draws``), only checked for a fused one (it draws its own); sinks merged
+    after it from its lse."""
+
+    def run_kernel(
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        bias: Any,
+        rng: Any,
+        mods: Any = None,
+        sinks: Any = None,
+    ) -> Any:
+        keep = _keep_mask(call, rng)  # a given rng is checked even where unused
+        result = kernel.run(call, q, k, v, mask, bias, keep if draws else None, mods)
+        return _returned(call, *_with_sinks(call, sinks, *result))
+
+    return run_kernel
+
+
 def _runner(call: Call, path: str) -> Runnable:
     """How ``call`` runs on ``path``, built once per memo entry: a runner of all the
     arguments, and a fused kernel of ``(q, k, v)`` alone where the adapter can bind
@@ -263,42 +285,12 @@ def _runner(call: Call, path: str) -> Runnable:
     kernels = backend.fused_kernels if path not in (BLOCKWISE, DENSE) else ()
     fused = next((kernel for kernel in kernels if kernel.path == path), None)
     if fused is not None:
-
-        def run_fused(
-            q: Any,
-            k: Any,
-            v: Any,
-            mask: Any,
-            bias: Any,
-            rng: Any,
-            mods: Any = None,
-            sinks: Any = None,
-        ) -> Any:
-            _keep_mask(call, rng)  # a given rng is checked; the kernel draws its own
-            result = fused.run(call, q, k, v, mask, bias, None, mods)
-            return _returned(call, *_with_sinks(call, sinks, *result))
-
-        return Runnable(run_fused, fused.prepare(call) if not call.rng_given else None)
+        prepared = fused.prepare(call) if not call.rng_given else None
+        return Runnable(_kernel_runner(call, fused, draws=False), prepared)
 
     tuned = backend.tuned if path not in (BLOCKWISE, DENSE) else None
     if tuned is not None and path == tuned.path:
-
-        def run_tuned(
-            q: Any,
-            k: Any,
-            v: Any,
-            mask: Any,
-            bias: Any,
-            rng: Any,
-            mods: Any = None,
-            sinks: Any = None,
-        ) -> Any:
-            keep = _keep_mask(call, rng)
-            return _returned(
-                call, *_with_sinks(call, sinks, *tuned.run(call, q, k, v, mask, bias, keep, mods))
-            )
-
-        return Runnable(run_tuned, None)
+        return Runnable(_kernel_runner(call, tuned, draws=True), None)
 
     if path == BLOCKWISE:  # else the dense path
 

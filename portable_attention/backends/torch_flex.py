@@ -45,6 +45,7 @@ BlockMask are built outside a trace.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -626,22 +627,20 @@ class FlexAttention(Kernel):
         # memo's runner is reused there), or one that needs a CPU gradient: the blockwise
         # path, which serves every call Flex does.
         tracing = torch.compiler.is_compiling()
-        if tracing or _FAILED or (_cpu(call) and _needs_grad(call, q, k, v)):
-            if call.implementation == "fused":
-                raise tracing_error() if tracing else cpu_training_error()
-            out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
-            return out, None, lse
-        try:
-            if _cpu(call):
-                with torch.no_grad():
+        if not (tracing or _FAILED or (_cpu(call) and _needs_grad(call, q, k, v))):
+            try:
+                with torch.no_grad() if _cpu(call) else contextlib.nullcontext():
                     out, lse = flex(call, q, k, v, mods)
-            else:
-                out, lse = flex(call, q, k, v, mods)
-        except Exception as err:
-            if call.implementation == "fused" or not _compile_failure(err):
-                raise
-            _compile_failed(err)
-            out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
+                return out, None, lse
+            except Exception as err:
+                if call.implementation == "fused" or not _compile_failure(err):
+                    raise
+                _compile_failed(err)
+        elif call.implementation == "fused":
+            if _FAILED:
+                raise ValueError(_FAILED[0])
+            raise tracing_error() if tracing else cpu_training_error()
+        out, lse = adapter(call.backend).blockwise(call, q, k, v, mask, bias, None, mods)
         return out, None, lse
 
 
