@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from portable_attention import _checks, _mods
+from portable_attention import _band, _checks, _mods
 from portable_attention import masks as _masks
 from portable_attention._block_math import BlockMath
 from portable_attention._mods import Mods
@@ -71,26 +71,55 @@ class Operands:
     bias: Any
 
 
+def known(shape: tuple[Any, ...]) -> bool:
+    """Whether every dimension of ``shape`` can be written in a ``reshape``: ints, or an
+    export's symbolic sizes (torch's SymInts, JAX's symbolic dims). The array API lets a
+    lazy library leave a dimension it cannot know as None (ndonnx's symbolic dims): the
+    grouping of heads then stacks and concatenates slices, and the band of ``causal`` and
+    ``window`` reads its positions from the arrays (:func:`_unknown_lengths_band`)."""
+    return all(d is not None for d in shape)
+
+
+def _split_heads(xp: Any, x: Any, hk: int, group: int) -> Any:
+    """``[..., Hk*G, A, B] -> [..., Hk, G, A, B]``: a reshape (a view where the framework
+    has views), or where a dimension is unknown, the ``Hk`` slices of ``G`` heads stacked
+    on a new axis (a copy of this operand: q, a mask or a bias, never K/V)."""
+    if known(x.shape):
+        *lead, _, a, b = x.shape
+        return xp.reshape(x, (*lead, hk, group, a, b))
+    heads = [x[..., h * group : (h + 1) * group, :, :] for h in range(hk)]
+    return xp.stack(heads, axis=-4)
+
+
+def _new_axis(xp: Any, x: Any, axis: int) -> Any:
+    """``x`` with a new axis of size 1 at ``axis`` (a reshape where the shape is known)."""
+    if not known(x.shape):
+        return xp.expand_dims(x, axis=axis)
+    shape = list(x.shape)
+    shape.insert(axis if axis >= 0 else len(shape) + 1 + axis, 1)
+    return xp.reshape(x, tuple(shape))
+
+
 def _group_heads(xp: Any, x: Any, hk: int, group: int, *, kv: bool) -> Any:
     """``[..., Hq, L, D] -> [..., Hk, G, L, D]`` (q) or ``[..., Hk, 1, L, D]`` (k, v)."""
     if group == 1:
         return x
-    *lead, h, length, d = x.shape
     if kv:
-        return xp.reshape(x, (*lead, h, 1, length, d))
-    return xp.reshape(x, (*lead, hk, group, length, d))
+        return _new_axis(xp, x, -3)
+    return _split_heads(xp, x, hk, group)
 
 
 def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int) -> Any:
     """Left-pad a mask or bias to ``ndim`` dims and split its head axis like q's."""
-    shape = (1,) * (ndim - x.ndim) + tuple(x.shape)
-    if shape != tuple(x.shape):
-        x = xp.reshape(x, shape)
+    if x.ndim < ndim and known(x.shape):
+        x = xp.reshape(x, (1,) * (ndim - x.ndim) + tuple(x.shape))
+    for _ in range(ndim - x.ndim):
+        x = xp.expand_dims(x, axis=0)
     if group == 1:
         return x
-    *lead, h, lq, lk = shape
-    heads = (1, 1) if h == 1 else (hk, group)
-    return xp.reshape(x, (*lead, *heads, lq, lk))
+    if x.shape[-3] == 1:
+        return _new_axis(xp, x, -3)
+    return _split_heads(xp, x, hk, group)
 
 
 def operands(
@@ -100,7 +129,7 @@ def operands(
     ``q_factor`` (default: the call's scale), heads grouped, mask and bias padded."""
     xp, ct = call.xp, call.compute_dtype
     if len(call.q_shape) == 2:  # one implicit head
-        q, k, v = (xp.reshape(x, (1, *x.shape)) for x in (q, k, v))
+        q, k, v = (_new_axis(xp, x, 0) for x in (q, k, v))
     hk = k.shape[-3]
     group = q.shape[-3] // hk
     ndim = q.ndim
@@ -239,6 +268,28 @@ def allow_mask(
     return mask if band is None else (mask & band)
 
 
+def _unknown_lengths_band(call: Call, q: Any, k: Any) -> Any:
+    """The band of ``causal`` and ``window`` where ``Lq`` or ``Lk`` is unknown (None in
+    the shape: ndonnx's symbolic dims), from positions read off ``q`` and ``k`` (the
+    traced lengths, never Python ints); None where the band keeps every score. Shaped
+    ``[1, ..., 1, Lq, Lk]`` like ``q``'s dims, to broadcast against the scores."""
+    if band_keeps_all(call):
+        return None
+    xp = call.xp
+
+    def positions(x: Any) -> tuple[Any, Any]:  # ([1, ..., 1, L, 1] positions, [1, ..., 1, 1, 1] L)
+        column = x[(slice(0, 1),) * (x.ndim - 2) + (slice(None), slice(0, 1))]
+        ones = xp.ones_like(column, dtype=xp.int64)
+        return xp.cumulative_sum(ones, axis=-2) - 1, xp.sum(ones, axis=-2, keepdims=True)
+
+    i, lq = positions(q)
+    j, lk = positions(k)
+    left, right = window_sides(call)
+    return _band.keep_at(
+        i, xp.matrix_transpose(j), lq, lk, left=left, right=right, align=call.align
+    )
+
+
 def _block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
     if not call.global_band:
@@ -346,8 +397,25 @@ def ungrouped(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[An
     (``lq``: the rows computed, where they are a block of the call's queries)."""
     xp = call.xp
     lead = (*call.q_shape[:-2], call.q_shape[-2] if lq is None else lq)
-    out = xp.astype(xp.reshape(out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
-    return out, xp.reshape(lse, lead)
+    out = xp.astype(_caller_heads(call, out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
+    return out, _caller_heads(call, lse, lead)
+
+
+def _caller_heads(call: Call, x: Any, shape: tuple[Any, ...]) -> Any:
+    """A result with the kernels' heads (``[..., Hk, G, *tail]``, or ``[1, *tail]`` for
+    2-D q) in the caller's ``shape`` (``[..., Hq, *tail]``, or ``tail``): a reshape, or
+    where a dimension is unknown, the 2-D case's one head taken and the ``Hk`` groups
+    concatenated along the heads."""
+    if known(shape):
+        return call.xp.reshape(x, shape)
+    if len(call.q_shape) == 2:
+        return x[0, ...]
+    if not call.grouped:
+        return x
+    tail = len(shape) - len(call.q_shape) + 2  # the dims after the heads
+    rest = (slice(None),) * (tail + 1)
+    groups = [x[(..., h, *rest)] for h in range(call.k_shape[-3])]
+    return call.xp.concat(groups, axis=-tail - 1)
 
 
 def dense(
@@ -382,7 +450,13 @@ def dense(
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
-    keep = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
+    if not band:
+        keep = ops.mask
+    elif known((lq, lk)):
+        keep = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk))
+    else:
+        keep = _unknown_lengths_band(call, ops.q, ops.k)
+        keep = ops.mask if keep is None else (keep if ops.mask is None else ops.mask & keep)
     if mods is not None:
         extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
         if extra is not None:
@@ -401,7 +475,7 @@ def dense(
     weights = None
     if call.return_weights:
         weights = xp.astype(
-            xp.reshape(e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
+            _caller_heads(call, e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
             call.dtype,
             copy=False,
         )
