@@ -80,46 +80,49 @@ def known(shape: tuple[Any, ...]) -> bool:
     return all(d is not None for d in shape)
 
 
-def _split_heads(xp: Any, x: Any, hk: int, group: int) -> Any:
+def _split_heads(xp: Any, x: Any, hk: int, group: int, fixed: bool) -> Any:
     """``[..., Hk*G, A, B] -> [..., Hk, G, A, B]``: a reshape (a view where the framework
-    has views), or where a dimension is unknown, the ``Hk`` slices of ``G`` heads stacked
-    on a new axis (a copy of this operand: q, a mask or a bias, never K/V)."""
-    if known(x.shape):
+    has views), or where a dimension is unknown (``fixed`` False), the ``Hk`` slices of
+    ``G`` heads stacked on a new axis (a copy of this operand: q, a mask or a bias, never
+    K/V)."""
+    if fixed:
         *lead, _, a, b = x.shape
         return xp.reshape(x, (*lead, hk, group, a, b))
     heads = [x[..., h * group : (h + 1) * group, :, :] for h in range(hk)]
     return xp.stack(heads, axis=-4)
 
 
-def _new_axis(xp: Any, x: Any, axis: int) -> Any:
-    """``x`` with a new axis of size 1 at ``axis`` (a reshape where the shape is known)."""
-    if not known(x.shape):
-        return xp.expand_dims(x, axis=axis)
-    shape = list(x.shape)
-    shape.insert(axis if axis >= 0 else len(shape) + 1 + axis, 1)
-    return xp.reshape(x, tuple(shape))
-
-
-def _group_heads(xp: Any, x: Any, hk: int, group: int, *, kv: bool) -> Any:
+def _group_heads(xp: Any, x: Any, hk: int, group: int, *, kv: bool, fixed: bool) -> Any:
     """``[..., Hq, L, D] -> [..., Hk, G, L, D]`` (q) or ``[..., Hk, 1, L, D]`` (k, v)."""
     if group == 1:
         return x
-    if kv:
-        return _new_axis(xp, x, -3)
-    return _split_heads(xp, x, hk, group)
+    if not kv:
+        return _split_heads(xp, x, hk, group, fixed)
+    if not fixed:
+        return xp.expand_dims(x, axis=-3)
+    *lead, h, length, d = x.shape
+    return xp.reshape(x, (*lead, h, 1, length, d))
 
 
-def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int) -> Any:
+def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int, fixed: bool) -> Any:
     """Left-pad a mask or bias to ``ndim`` dims and split its head axis like q's."""
-    if x.ndim < ndim and known(x.shape):
-        x = xp.reshape(x, (1,) * (ndim - x.ndim) + tuple(x.shape))
-    for _ in range(ndim - x.ndim):
-        x = xp.expand_dims(x, axis=0)
+    if not fixed:
+        while x.ndim < ndim:
+            x = xp.expand_dims(x, axis=0)
+        if group == 1:
+            return x
+        if x.shape[-3] == 1:
+            return xp.expand_dims(x, axis=-3)
+        return _split_heads(xp, x, hk, group, fixed)
+    shape = (1,) * (ndim - x.ndim) + tuple(x.shape)
+    if shape != tuple(x.shape):
+        x = xp.reshape(x, shape)
     if group == 1:
         return x
-    if x.shape[-3] == 1:
-        return _new_axis(xp, x, -3)
-    return _split_heads(xp, x, hk, group)
+    *lead, h, lq, lk = shape
+    if h == 1:
+        return xp.reshape(x, (*lead, 1, 1, lq, lk))
+    return _split_heads(xp, x, hk, group, fixed)
 
 
 def operands(
@@ -128,8 +131,11 @@ def operands(
     """q, k, v, mask and bias as the kernels take them: in the compute dtype, q times
     ``q_factor`` (default: the call's scale), heads grouped, mask and bias padded."""
     xp, ct = call.xp, call.compute_dtype
+    fixed = not call.unknown_dims
     if len(call.q_shape) == 2:  # one implicit head
-        q, k, v = (_new_axis(xp, x, 0) for x in (q, k, v))
+        q, k, v = (
+            xp.reshape(x, (1, *x.shape)) if fixed else xp.expand_dims(x, axis=0) for x in (q, k, v)
+        )
     hk = k.shape[-3]
     group = q.shape[-3] // hk
     ndim = q.ndim
@@ -137,13 +143,13 @@ def operands(
         q, k, v = (xp.astype(x, ct) for x in (q, k, v))
     qc = q * (call.scale if q_factor is None else q_factor)
     if bias is not None:
-        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct, copy=False)
+        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group, fixed), ct, copy=False)
     if mask is not None:
-        mask = _group_scores_operand(xp, mask, ndim, hk, group)
+        mask = _group_scores_operand(xp, mask, ndim, hk, group, fixed)
     return Operands(
-        q=_group_heads(xp, qc, hk, group, kv=False),
-        k=_group_heads(xp, k, hk, group, kv=True),
-        v=_group_heads(xp, v, hk, group, kv=True),
+        q=_group_heads(xp, qc, hk, group, kv=False, fixed=fixed),
+        k=_group_heads(xp, k, hk, group, kv=True, fixed=fixed),
+        v=_group_heads(xp, v, hk, group, kv=True, fixed=fixed),
         mask=mask,
         bias=bias,
     )
@@ -397,6 +403,9 @@ def ungrouped(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[An
     (``lq``: the rows computed, where they are a block of the call's queries)."""
     xp = call.xp
     lead = (*call.q_shape[:-2], call.q_shape[-2] if lq is None else lq)
+    if not call.unknown_dims:
+        out = xp.astype(xp.reshape(out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
+        return out, xp.reshape(lse, lead)
     out = xp.astype(_caller_heads(call, out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
     return out, _caller_heads(call, lse, lead)
 
@@ -406,7 +415,7 @@ def _caller_heads(call: Call, x: Any, shape: tuple[Any, ...]) -> Any:
     2-D q) in the caller's ``shape`` (``[..., Hq, *tail]``, or ``tail``): a reshape, or
     where a dimension is unknown, the 2-D case's one head taken and the ``Hk`` groups
     concatenated along the heads."""
-    if known(shape):
+    if not call.unknown_dims:
         return call.xp.reshape(x, shape)
     if len(call.q_shape) == 2:
         return x[0, ...]
@@ -452,7 +461,7 @@ def dense(
     lq, lk = q.shape[-2], call.k_shape[-2]
     if not band:
         keep = ops.mask
-    elif known((lq, lk)):
+    elif lq is not None and lk is not None:
         keep = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk))
     else:
         keep = _unknown_lengths_band(call, ops.q, ops.k)

@@ -61,6 +61,11 @@ class Call:
     #: data, by value; the plan and its function stay out of the description, so that the
     #: caches keyed by it keep nothing of the user's alive), or None.
     blocks: BlockLayout | None = None
+    #: Whether a dimension of q, k or v is unknown: None in the shape, as the array API
+    #: allows a lazy library (ndonnx's symbolic dims). It cannot be written in a
+    #: ``reshape``: the grouping of heads then stacks slices, and the band reads its
+    #: positions from the arrays. Read once per call: decided here, with the shapes.
+    unknown_dims: bool = False
 
     def __hash__(self) -> int:
         # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).
@@ -475,6 +480,7 @@ def describe(
         score_mod=score_mod,
         mask_mod=mask_mod,
         blocks=blocks,
+        unknown_dims=any(d is None for d in (*qs, *shape_of(k), *shape_of(v))),
     )
 
 
