@@ -74,9 +74,9 @@ class Operands:
 def known(shape: tuple[Any, ...]) -> bool:
     """Whether every dimension of ``shape`` can be written in a ``reshape``: ints, or an
     export's symbolic sizes (torch's SymInts, JAX's symbolic dims). The array API lets a
-    lazy library leave a dimension it cannot know as None (ndonnx's symbolic dims): the
-    grouping of heads then stacks and concatenates slices, and the band of ``causal`` and
-    ``window`` reads its positions from the arrays (:func:`_unknown_lengths_band`)."""
+    lazy library leave a dimension it cannot know as None (ndonnx's symbolic dims); a
+    call's q, k and v are decided once (``Call.unknown_dims``), this serves arrays made
+    later (``mha``'s projections)."""
     return all(d is not None for d in shape)
 
 
