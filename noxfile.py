@@ -210,8 +210,9 @@ FLOORS_JAX_TESTS = (
     "tests/test_flax_mha.py",
 )
 #: Test dependencies the floors leave out: array-api-strict's releases that take NumPy
-#: 1.26 fail their own device moves there, and dask, ONNX serve backends not run here.
-_NOT_AT_FLOORS = ("array-api-strict", "dask", "distributed", "onnx")
+#: 1.26 fail their own device moves there, and dask, ONNX (ndonnx too), pydata sparse and
+#: marray serve backends not run here (their tests skip where they do not import).
+_NOT_AT_FLOORS = ("array-api-strict", "dask", "distributed", "onnx", "ndonnx", "sparse", "marray")
 
 
 def _floors_install(session: nox.Session, pins: tuple[str, ...], *extra: str) -> None:

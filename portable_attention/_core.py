@@ -71,26 +71,58 @@ class Operands:
     bias: Any
 
 
-def _group_heads(xp: Any, x: Any, hk: int, group: int, *, kv: bool) -> Any:
+def known(shape: tuple[Any, ...]) -> bool:
+    """Whether every dimension of ``shape`` can be written in a ``reshape``: ints, or an
+    export's symbolic sizes (torch's SymInts, JAX's symbolic dims). The array API lets a
+    lazy library leave a dimension it cannot know as None (ndonnx's symbolic dims); a
+    call's q, k and v are decided once (``Call.unknown_dims``), this serves arrays made
+    later (``mha``'s projections)."""
+    return all(d is not None for d in shape)
+
+
+def _split_heads(xp: Any, x: Any, hk: int, group: int, fixed: bool) -> Any:
+    """``[..., Hk*G, A, B] -> [..., Hk, G, A, B]``: a reshape (a view where the framework
+    has views), or where a dimension is unknown (``fixed`` False), the ``Hk`` slices of
+    ``G`` heads stacked on a new axis (a copy of this operand: q, a mask or a bias, never
+    K/V)."""
+    if fixed:
+        *lead, _, a, b = x.shape
+        return xp.reshape(x, (*lead, hk, group, a, b))
+    heads = [x[..., h * group : (h + 1) * group, :, :] for h in range(hk)]
+    return xp.stack(heads, axis=-4)
+
+
+def _group_heads(xp: Any, x: Any, hk: int, group: int, *, kv: bool, fixed: bool) -> Any:
     """``[..., Hq, L, D] -> [..., Hk, G, L, D]`` (q) or ``[..., Hk, 1, L, D]`` (k, v)."""
     if group == 1:
         return x
+    if not kv:
+        return _split_heads(xp, x, hk, group, fixed)
+    if not fixed:
+        return xp.expand_dims(x, axis=-3)
     *lead, h, length, d = x.shape
-    if kv:
-        return xp.reshape(x, (*lead, h, 1, length, d))
-    return xp.reshape(x, (*lead, hk, group, length, d))
+    return xp.reshape(x, (*lead, h, 1, length, d))
 
 
-def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int) -> Any:
+def _group_scores_operand(xp: Any, x: Any, ndim: int, hk: int, group: int, fixed: bool) -> Any:
     """Left-pad a mask or bias to ``ndim`` dims and split its head axis like q's."""
+    if not fixed:
+        while x.ndim < ndim:
+            x = xp.expand_dims(x, axis=0)
+        if group == 1:
+            return x
+        if x.shape[-3] == 1:
+            return xp.expand_dims(x, axis=-3)
+        return _split_heads(xp, x, hk, group, fixed)
     shape = (1,) * (ndim - x.ndim) + tuple(x.shape)
     if shape != tuple(x.shape):
         x = xp.reshape(x, shape)
     if group == 1:
         return x
     *lead, h, lq, lk = shape
-    heads = (1, 1) if h == 1 else (hk, group)
-    return xp.reshape(x, (*lead, *heads, lq, lk))
+    if h == 1:
+        return xp.reshape(x, (*lead, 1, 1, lq, lk))
+    return _split_heads(xp, x, hk, group, fixed)
 
 
 def operands(
@@ -99,8 +131,11 @@ def operands(
     """q, k, v, mask and bias as the kernels take them: in the compute dtype, q times
     ``q_factor`` (default: the call's scale), heads grouped, mask and bias padded."""
     xp, ct = call.xp, call.compute_dtype
+    fixed = not call.unknown_dims
     if len(call.q_shape) == 2:  # one implicit head
-        q, k, v = (xp.reshape(x, (1, *x.shape)) for x in (q, k, v))
+        q, k, v = (
+            xp.reshape(x, (1, *x.shape)) if fixed else xp.expand_dims(x, axis=0) for x in (q, k, v)
+        )
     hk = k.shape[-3]
     group = q.shape[-3] // hk
     ndim = q.ndim
@@ -108,13 +143,13 @@ def operands(
         q, k, v = (xp.astype(x, ct) for x in (q, k, v))
     qc = q * (call.scale if q_factor is None else q_factor)
     if bias is not None:
-        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group), ct, copy=False)
+        bias = xp.astype(_group_scores_operand(xp, bias, ndim, hk, group, fixed), ct, copy=False)
     if mask is not None:
-        mask = _group_scores_operand(xp, mask, ndim, hk, group)
+        mask = _group_scores_operand(xp, mask, ndim, hk, group, fixed)
     return Operands(
-        q=_group_heads(xp, qc, hk, group, kv=False),
-        k=_group_heads(xp, k, hk, group, kv=True),
-        v=_group_heads(xp, v, hk, group, kv=True),
+        q=_group_heads(xp, qc, hk, group, kv=False, fixed=fixed),
+        k=_group_heads(xp, k, hk, group, kv=True, fixed=fixed),
+        v=_group_heads(xp, v, hk, group, kv=True, fixed=fixed),
         mask=mask,
         bias=bias,
     )
@@ -238,6 +273,28 @@ def allow_mask(
     return mask if band is None else (mask & band)
 
 
+def _unknown_lengths_band(call: Call, q: Any, k: Any) -> Any:
+    """The band of ``causal`` and ``window`` where ``Lq`` or ``Lk`` is unknown (None in
+    the shape: ndonnx's symbolic dims), from positions read off ``q`` and ``k`` (the
+    traced lengths, never Python ints); None where the band keeps every score. Shaped
+    ``[1, ..., 1, Lq, Lk]`` like ``q``'s dims, to broadcast against the scores."""
+    if band_keeps_all(call):
+        return None
+    xp = call.xp
+
+    def positions(x: Any) -> tuple[Any, Any]:  # ([1, ..., 1, L, 1] positions, [1, ..., 1, 1, 1] L)
+        column = x[(slice(0, 1),) * (x.ndim - 2) + (slice(None), slice(0, 1))]
+        ones = xp.ones_like(column, dtype=xp.int64)
+        return xp.cumulative_sum(ones, axis=-2) - 1, xp.sum(ones, axis=-2, keepdims=True)
+
+    i, lq = positions(q)
+    j, lk = positions(k)
+    left, right = window_sides(call)
+    return _band.keep_at(
+        i, xp.matrix_transpose(j), lq, lk, left=left, right=right, align=call.align
+    )
+
+
 def block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
     if not call.global_band:
@@ -345,8 +402,28 @@ def ungrouped(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[An
     (``lq``: the rows computed, where they are a block of the call's queries)."""
     xp = call.xp
     lead = (*call.q_shape[:-2], call.q_shape[-2] if lq is None else lq)
-    out = xp.astype(xp.reshape(out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
-    return out, xp.reshape(lse, lead)
+    if not call.unknown_dims:
+        out = xp.astype(xp.reshape(out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
+        return out, xp.reshape(lse, lead)
+    out = xp.astype(_caller_heads(call, out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
+    return out, _caller_heads(call, lse, lead)
+
+
+def _caller_heads(call: Call, x: Any, shape: tuple[Any, ...]) -> Any:
+    """A result with the kernels' heads (``[..., Hk, G, *tail]``, or ``[1, *tail]`` for
+    2-D q) in the caller's ``shape`` (``[..., Hq, *tail]``, or ``tail``): a reshape, or
+    where a dimension is unknown, the 2-D case's one head taken and the ``Hk`` groups
+    concatenated along the heads."""
+    if not call.unknown_dims:
+        return call.xp.reshape(x, shape)
+    if len(call.q_shape) == 2:
+        return x[0, ...]
+    if not call.grouped:
+        return x
+    tail = len(shape) - len(call.q_shape) + 2  # the dims after the heads
+    rest = (slice(None),) * (tail + 1)
+    groups = [x[(..., h, *rest)] for h in range(call.k_shape[-3])]
+    return call.xp.concat(groups, axis=-tail - 1)
 
 
 def dense(
@@ -381,7 +458,13 @@ def dense(
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
-    allow = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk)) if band else ops.mask
+    if not band:
+        allow = ops.mask
+    elif lq is not None and lk is not None:
+        allow = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk))
+    else:
+        allow = _unknown_lengths_band(call, ops.q, ops.k)
+        allow = ops.mask if allow is None else (allow if ops.mask is None else ops.mask & allow)
     if mods is not None:
         extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
         if extra is not None:
@@ -400,7 +483,7 @@ def dense(
     weights = None
     if call.return_weights:
         weights = xp.astype(
-            xp.reshape(e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
+            _caller_heads(call, e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
             call.dtype,
             copy=False,
         )

@@ -35,6 +35,7 @@ import numpy as np
 
 from portable_attention import _cases, attend, plan
 from portable_attention._cases import Array, Case
+from portable_attention._report_lazy import LAZY, lazy_row
 from portable_attention.testing import tolerance
 from portable_attention.testing._convert import dtype_name, source_framework, to_backend, to_numpy
 
@@ -54,6 +55,8 @@ DTYPES: dict[str, tuple[str, ...]] = {
     "torch": ("float32", "float16", "bfloat16"),
     "jax": ("float32", "float16", "bfloat16"),
     "cupy": ("float32", "float16"),
+    "dask": ("float32", "float16"),  # run where named in --backends (_report_lazy.py)
+    "ndonnx": ("float32",),
 }
 DEVICES = ("cpu", "cuda")
 
@@ -131,7 +134,7 @@ class Row:
 
 def installed() -> list[str]:
     """The backends of :data:`DTYPES` whose framework is installed, in report order."""
-    return [name for name in DTYPES if importlib.util.find_spec(name) is not None]
+    return [n for n in DTYPES if n not in LAZY and importlib.util.find_spec(n) is not None]
 
 
 def _sees_cuda(backend: str) -> bool:
@@ -216,20 +219,28 @@ def run_one(case: Case, target: Target, dtype: str, *, repeats: int = 3) -> Row:
     """Run ``case`` on ``target`` in ``dtype``: the row without the comparisons."""
     row = Row(case.name, target.name, target.device, dtype)
     try:
-        arrays = {
-            n: _to_target(_cases.rounded(a, dtype), target, dtype) for n, a in case.arrays.items()
-        }
-        q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
-        row.path = plan(q, k, v, **arrays, **case.options).path
-        result = _as_list(target.call(q, k, v, **arrays, **case.options))  # warm-up (JAX compiles)
+        rounded = {n: _cases.rounded(a, dtype) for n, a in case.arrays.items()}
+        if target.backend in LAZY:  # dask computes, ndonnx's ONNX model runs: in call()
+            row.path, call, row.error = lazy_row(target.backend, target.call, case, rounded, dtype)
+        else:
+            arrays = {n: _to_target(a, target, dtype) for n, a in rounded.items()}
+            q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+            row.path = plan(q, k, v, **arrays, **case.options).path
+
+            def eager() -> list[Any]:
+                return _as_list(target.call(q, k, v, **arrays, **case.options))
+
+            call = eager
+        result = call()  # warm-up (JAX compiles)
         _sync(result)
         best = math.inf
         for _ in range(repeats):
             start = time.perf_counter()
-            _sync(_as_list(target.call(q, k, v, **arrays, **case.options)))
+            _sync(call())
             best = min(best, time.perf_counter() - start)
         row.ms = best * 1e3
-        row.error = _kind_mismatch(result, q, dtype)
+        if target.backend not in LAZY:
+            row.error = _kind_mismatch(result, q, dtype)
         if row.error:
             row.verdict = "DISAGREE"
         row.result = [to_numpy(x, dtype="float64") for x in result]
@@ -456,7 +467,7 @@ def plot_weights(
     from portable_attention import plot
 
     weights: dict[str, Any] = {}
-    for target in run_on:
+    for target in (t for t in run_on if t.backend not in LAZY):  # eager weights only
         arrays = {
             n: _to_target(_cases.rounded(a, dtype), target, dtype) for n, a in case.arrays.items()
         }
@@ -508,7 +519,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backends",
         metavar="LIST",
-        help=f"comma list of backends to run (default: every installed one of {', '.join(DTYPES)})",
+        help=f"comma list of backends to run, of {', '.join(DTYPES)} (default: every installed "
+        "one but dask and ndonnx, whose rows compute a dask graph and run an ONNX model)",
     )
     p.add_argument(
         "--devices",

@@ -61,6 +61,11 @@ class Call:
     #: data, by value; the plan and its function stay out of the description, so that the
     #: caches keyed by it keep nothing of the user's alive), or None.
     blocks: BlockLayout | None = None
+    #: Whether a dimension of q, k or v is unknown: None in the shape, as the array API
+    #: allows a lazy library (ndonnx's symbolic dims). It cannot be written in a
+    #: ``reshape``: the grouping of heads then stacks slices, and the band reads its
+    #: positions from the arrays. Read once per call: decided here, with the shapes.
+    unknown_dims: bool = False
 
     def __hash__(self) -> int:
         # Plans are cached by the whole Call; a device type may not be hashable (CuPy's).
@@ -294,6 +299,57 @@ def _check_shapes(q: Any, k: Any, v: Any) -> None:
         raise ValueError(msg)
 
 
+def _check_unknown_dims(
+    q: Any,
+    k: Any,
+    v: Any,
+    options: Options,
+    segments: str | None,
+    score_mod: object,
+    mask_mod: object,
+) -> None:
+    """Dimensions a lazy library leaves unknown (None in the shape, as the array API
+    allows: ndonnx's symbolic dims) may be the batch and the lengths, where the dense
+    path reads what it needs from the arrays; not the heads and features, which the
+    grouping of heads and the scale are written with, nor what builds per-position
+    arrays on the host (segment ids, mods, dropout's masks, blocks)."""
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    if not any(d is None for d in (*qs, *ks, *vs)):
+        return
+    shapes = f"q {qs}, k {ks}, v {vs}"
+    fixed = [qs[-1], ks[-1], vs[-1]] + ([qs[-3], ks[-3], vs[-3]] if len(qs) >= 3 else [])
+    if any(d is None for d in fixed):
+        msg = (
+            f"the heads (axis -3) and feature sizes (axis -1) of `q`, `k` and `v` must be "
+            f"known, got {shapes} (None: a dimension the library leaves unknown, such as "
+            "ndonnx's symbolic dims); give them fixed sizes, e.g. "
+            '`ndx.argument(shape=("B", 8, "L", 64), ...)`.'
+        )
+        raise ValueError(msg)
+    given = [
+        name
+        for name, there in (
+            ("segment_ids", segments is not None),
+            ("score_mod", score_mod is not None),
+            ("mask_mod", mask_mod is not None),
+            ("dropout", options.dropout > 0),
+        )
+        if there
+    ]
+    if given:
+        fix = (
+            ""
+            if given[0] == "dropout"
+            else (", or pass what it means as a boolean `mask=` or a `bias=` of the same dims")
+        )
+        msg = (
+            f"`{given[0]}` builds arrays of the call's lengths on the host, but {shapes} "
+            "has unknown (None) dimensions (such as ndonnx's symbolic dims); give the batch "
+            f"and lengths fixed sizes{fix}."
+        )
+        raise ValueError(msg)
+
+
 def check_mask_bias(xp: Any, mask: Any, bias: Any, dtype: Any, score_shape: tuple) -> None:
     if mask is not None:
         if not is_kind(xp, mask.dtype, "bool"):
@@ -352,6 +408,7 @@ def validate_call(
     ids = {id_names[0]: q_ids, id_names[1]: kv_ids} if segments is not None else {}
     xp, _, _ = check_arrays(q=q, k=k, v=v, mask=mask, bias=bias, sinks=sinks, **ids)
     _check_dtypes(xp, q, k, v)
+    _check_unknown_dims(q, k, v, options, segments, score_mod, mask_mod)
     _check_shapes(q, k, v)
     qs, ks = shape_of(q), shape_of(k)
     check_mask_bias(xp, mask, bias, q.dtype, (*qs[:-1], ks[-2]))
@@ -417,6 +474,7 @@ def describe(
         score_mod=score_mod,
         mask_mod=mask_mod,
         blocks=blocks,
+        unknown_dims=any(d is None for d in (*qs, *shape_of(k), *shape_of(v))),
     )
 
 

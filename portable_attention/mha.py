@@ -49,14 +49,20 @@ PARAM_NAMES = (*WEIGHTS, *BIASES, SINKS)
 
 
 def _split_heads(xp: Any, x: Any, heads: int) -> Any:
-    """``[B, L, H * D] -> [B, H, L, D]``."""
+    """``[B, L, H * D] -> [B, H, L, D]`` (where B or L is unknown, None in the shape as
+    ndonnx's symbolic dims: the heads' slices stacked, no reshape)."""
     b, length, width = x.shape
-    return xp.permute_dims(xp.reshape(x, (b, length, heads, width // heads)), (0, 2, 1, 3))
+    d = width // heads
+    if not _core.known(x.shape):
+        return xp.stack([x[..., h * d : (h + 1) * d] for h in range(heads)], axis=1)
+    return xp.permute_dims(xp.reshape(x, (b, length, heads, d)), (0, 2, 1, 3))
 
 
-def _merge_heads(xp: Any, x: Any) -> Any:
-    """``[B, H, L, D] -> [B, L, H * D]``."""
-    b, heads, length, d = x.shape
+def _merge_heads(xp: Any, x: Any, heads: int) -> Any:
+    """``[B, H, L, D] -> [B, L, H * D]`` (unknown dims: the heads concatenated)."""
+    if not _core.known(x.shape):
+        return xp.concat([x[:, h, ...] for h in range(heads)], axis=-1)
+    b, _, length, d = x.shape
     return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (b, length, heads * d))
 
 
@@ -147,7 +153,10 @@ def multi_head_attention(
     v = _split_heads(xp, _project(xp, value, params, "w_v", "b_v"), num_kv_heads)
     if key_padding_mask is not None:
         b, lk = key_padding_mask.shape
-        kpm = xp.reshape(key_padding_mask, (b, 1, 1, lk))
+        if _core.known((b, lk)):
+            kpm = xp.reshape(key_padding_mask, (b, 1, 1, lk))
+        else:  # unknown dims cannot be written in a reshape
+            kpm = xp.expand_dims(xp.expand_dims(key_padding_mask, axis=1), axis=1)
         mask = kpm if mask is None else (mask & kpm)
     result = attend(
         q,
@@ -166,7 +175,7 @@ def multi_head_attention(
         mask_mod=mask_mod,
     )
     out, weights = result if return_weights else (result, None)
-    out = _project(xp, _merge_heads(xp, out), params, "w_o", "b_o")
+    out = _project(xp, _merge_heads(xp, out, num_heads), params, "w_o", "b_o")
     return (out, weights) if return_weights else out
 
 

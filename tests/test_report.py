@@ -499,3 +499,24 @@ def test_repeated_cli_names_count_once() -> None:
         "torch",
         "numpy",
     ]
+
+
+def test_report_runs_dask_and_ndonnx_rows(tmp_path: Path) -> None:
+    """``--backends numpy,dask,ndonnx``: dask's rows compute the call's graph, ndonnx's
+    run an ONNX model of it (symbolic batch and lengths) in onnxruntime; every row agrees
+    with the oracle and with NumPy's. The default report leaves them out (they are asked
+    for by name)."""
+    pytest.importorskip("dask", reason="dask is a test dependency (the test group)")
+    pytest.importorskip("ndonnx", reason="ndonnx is a test dependency (the test group)")
+    pytest.importorskip("onnxruntime", reason="onnxruntime is a test dependency")
+    assert not {"dask", "ndonnx"} & set(_report.installed())
+    out_json = tmp_path / "report.json"
+    argv = ["--backends", "numpy,dask,ndonnx", "--cases", "causal,gqa,masked_rows"]
+    assert _report.main([*argv, "--dtypes", "float32", "--json", str(out_json), "--quiet"]) == 0
+    rows = _rows_of(out_json)
+    assert {r["backend"] for r in rows} == {"numpy", "dask", "ndonnx"}
+    assert len(rows) == 9 and all(r["ok"] and r["vs_others"] is not None for r in rows)
+    paths = {(r["backend"], r["case"]): r["path"] for r in rows}
+    assert paths["dask", "causal"] == "per-chunk:dask"
+    assert paths["dask", "masked_rows"] == "portable:dense"  # a mask: the portable path
+    assert paths["ndonnx", "causal"] == "portable:dense"  # symbolic lengths

@@ -18,7 +18,15 @@ if TYPE_CHECKING:  # not at run time: the contract (_spec) asks the adapters, an
     from portable_attention.backends._base import Adapter
 
 #: Framework name (``portable_attention._checks.backend_name``) -> adapter module.
-_MODULES = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy", "dask": "dask"}
+_MODULES = {
+    "numpy": "numpy",
+    "torch": "torch",
+    "jax": "jax",
+    "cupy": "cupy",
+    "dask": "dask",
+    "sparse": "refused",  # array-api-compat knows them; attend refuses them, saying why
+    "marray": "refused",
+}
 
 
 def adapter(backend: str) -> Adapter:

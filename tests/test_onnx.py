@@ -1,0 +1,146 @@
+"""ONNX through ndonnx: ``attend`` and the NumPy multi-head module on ``ndx.argument``
+inputs whose batch and lengths are symbolic (None in the array API's shape) build with
+``ndx.build`` into one ONNX model, which onnxruntime runs at several shapes, none of them
+known when the model was built, equal to the independent float64 oracle; what needs
+the lengths on the host (segment ids, mods, dropout, blocks) is refused with a message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from portable_attention import attend, mha, plan
+
+import oracle
+from helpers import randn, rng_for
+
+ndx = pytest.importorskip("ndonnx", reason="ndonnx is a test dependency (the test group)")
+ort = pytest.importorskip("onnxruntime", reason="onnxruntime is a test dependency")
+
+TOL = 1e-12
+HQ, D = 4, 16
+#: (batch, Lq, Lk) of the runs of one model: lengths 1, Lq > Lk (causal rows with no
+#: key) and Lq < Lk among them.
+SHAPES = [(1, 1, 1), (3, 9, 9), (2, 12, 5), (1, 6, 31)]
+
+
+def _session(inputs: dict[str, Any], outputs: dict[str, Any]) -> Any:
+    model = ndx.build(inputs, outputs)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+CASES: dict[str, tuple[dict[str, Any], int, str | None]] = {
+    # name: (options, Hk, extra input: "mask", "bias" or None)
+    "plain": ({}, HQ, None),
+    "causal": ({"causal": True}, HQ, None),
+    "causal-softcap": ({"causal": True, "softcap": 5.0}, HQ, None),
+    "window-upper-left": ({"causal": "upper_left", "window": (3, 1)}, HQ, None),
+    "window": ({"window": (2, 4), "scale": 0.3}, HQ, None),
+    "gqa-causal-softcap": ({"causal": True, "softcap": 5.0}, 2, None),
+    "mqa-window": ({"window": 2}, 1, None),
+    "gqa-mask-causal": ({"causal": True}, 2, "mask"),
+    "gqa-bias": ({}, 2, "bias"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ndonnx_model_with_symbolic_batch_and_lengths(name: str) -> None:
+    options, hk, extra = CASES[name]
+    f64 = ndx.float64
+    q = ndx.argument(shape=("B", HQ, "Lq", D), dtype=f64)
+    k = ndx.argument(shape=("B", hk, "Lk", D), dtype=f64)
+    v = ndx.argument(shape=("B", hk, "Lk", D), dtype=f64)
+    inputs = {"q": q, "k": k, "v": v}
+    given = dict(options)
+    if extra == "mask":
+        inputs["mask"] = given["mask"] = ndx.argument(shape=("B", 1, "Lq", "Lk"), dtype=ndx.bool)
+    elif extra == "bias":
+        inputs["bias"] = given["bias"] = ndx.argument(shape=(1, HQ, "Lq", "Lk"), dtype=f64)
+    chosen = plan(q, k, v, **given)
+    assert chosen.path == "portable:dense", chosen
+    assert "symbolic" in chosen.reason, chosen.reason
+    out, weights, lse = attend(q, k, v, **given, return_weights=True, return_lse=True)
+    run = _session(inputs, {"out": out, "weights": weights, "lse": lse})
+    for b, lq, lk in SHAPES:
+        rng = rng_for("onnx", name, b, lq, lk)
+        feeds = {
+            "q": randn(rng, (b, HQ, lq, D)),
+            "k": randn(rng, (b, hk, lk, D)),
+            "v": randn(rng, (b, hk, lk, D)),
+        }
+        if extra == "mask":
+            feeds["mask"] = rng.random((b, 1, lq, lk)) < 0.7
+        elif extra == "bias":
+            feeds["bias"] = randn(rng, (1, HQ, lq, lk))
+        got = run.run(None, feeds)
+        want = oracle.attention(**feeds, **options)
+        for what, g, w in zip(("out", "weights", "lse"), got, want, strict=True):
+            assert g.dtype == np.float64, (what, g.dtype)
+            assert g.shape == w.shape, (what, g.shape, w.shape)
+            np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL, err_msg=f"{what} {b, lq, lk}")
+
+
+def test_ndonnx_model_of_the_multi_head_module() -> None:
+    """``mha.MultiHeadAttention`` on ndonnx (grouped heads, causal, a key padding mask of
+    the symbolic dims) exports with symbolic batch and length; the model equals the
+    NumPy module of the same parameters."""
+    module = mha.MultiHeadAttention(32, 4, num_kv_heads=2, xp=ndx, dtype=ndx.float64, seed=3)
+    reference = mha.MultiHeadAttention(32, 4, num_kv_heads=2, dtype=np.float64, seed=3)
+    x = ndx.argument(shape=("B", "L", 32), dtype=ndx.float64)
+    keep = ndx.argument(shape=("B", "L"), dtype=ndx.bool)
+    run = _session({"x": x, "keep": keep}, {"out": module(x, causal=True, key_padding_mask=keep)})
+    for b, length in ((1, 1), (2, 7), (3, 40)):
+        rng = rng_for("onnx", "mha", b, length)
+        feeds = {"x": randn(rng, (b, length, 32)), "keep": rng.random((b, length)) < 0.8}
+        (got,) = run.run(None, feeds)
+        want = reference(feeds["x"], causal=True, key_padding_mask=feeds["keep"])
+        assert got.shape == (b, length, 32) and got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
+def test_ndonnx_static_shapes_and_two_dim_inputs() -> None:
+    """Concrete shapes (``ndx.argument`` of fixed sizes) and 2-D ``[L, D]`` inputs of a
+    symbolic length build and run too."""
+    q2 = ndx.argument(shape=("L", D), dtype=ndx.float64)
+    run = _session({"q": q2}, {"out": attend(q2, q2, q2, causal=True)})
+    x = randn(rng_for("onnx", "2d"), (11, D))
+    (got,) = run.run(None, {"q": x})
+    np.testing.assert_allclose(got, oracle.attention(x, x, x, causal=True)[0], rtol=TOL, atol=TOL)
+
+    q = ndx.argument(shape=(1, HQ, 16, D), dtype=ndx.float64)
+    kv = ndx.argument(shape=(1, 2, 16, D), dtype=ndx.float64)
+    out = attend(q, kv, kv, causal=True, chunk_size=8)  # static lengths: blocks allowed
+    run = _session({"q": q, "kv": kv}, {"out": out})
+    rng = rng_for("onnx", "static")
+    a, b = randn(rng, (1, HQ, 16, D)), randn(rng, (1, 2, 16, D))
+    (got,) = run.run(None, {"q": a, "kv": b})
+    np.testing.assert_allclose(got, oracle.attention(a, b, b, causal=True)[0], rtol=TOL, atol=TOL)
+
+
+def _mod(b: Any, h: Any, i: Any, j: Any) -> Any:
+    return i >= j
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"segment_ids": "ids"}, r"`segment_ids` builds arrays of the call's lengths"),
+        ({"mask_mod": _mod}, r"`mask_mod` builds arrays of the call's lengths.*`mask=`"),
+        ({"dropout": 0.1, "rng": np.random.default_rng(0)}, r"`dropout` builds arrays"),
+        ({"chunk_size": 8}, r"`chunk_size=8` walks blocks of static lengths"),
+    ],
+    ids=["segment_ids", "mask_mod", "dropout", "chunk_size"],
+)
+def test_ndonnx_unknown_lengths_refuse_what_needs_them(options: dict, message: str) -> None:
+    q = ndx.argument(shape=("B", HQ, "L", D), dtype=ndx.float32)
+    if options.get("segment_ids") == "ids":
+        options = {"segment_ids": ndx.argument(shape=("B", "L"), dtype=ndx.int64)}
+    with pytest.raises(ValueError, match=message):
+        attend(q, q, q, **options)
+
+
+def test_ndonnx_unknown_heads_are_refused() -> None:
+    q = ndx.argument(shape=("B", "H", "L", D), dtype=ndx.float32)
+    with pytest.raises(ValueError, match=r"heads \(axis -3\) and feature sizes .* must be known"):
+        attend(q, q, q)
