@@ -1,5 +1,6 @@
 """NumPy: its adapter (dropout from a ``numpy.random.Generator``, the generic adapter's
-RNG; NumPy's scalars and masked arrays refused by name) and the planner's face of the
+RNG; NumPy's scalars and masked arrays refused by name; the blockwise path's steps in
+place, :mod:`~portable_attention.backends.numpy_math`) and the planner's face of the
 tuned kernel of our own, NumPy having no fused attention. The kernel itself is
 :mod:`portable_attention.backends.numpy_kernel`, imported when it first runs.
 """
@@ -12,10 +13,12 @@ from typing import Any
 import numpy as np
 
 from portable_attention import _spec
+from portable_attention._block_math import BlockMath
 from portable_attention._checks import shape_of, type_name
 from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter, Kernel, MemoKeys
 from portable_attention.backends.generic import numpy_block_keep, numpy_keep_mask
+from portable_attention.backends.numpy_math import InPlaceMath
 
 
 class BlockedKernel(Kernel):
@@ -79,6 +82,11 @@ class NumpyAdapter(Adapter):
 
     def device(self, x: Any) -> Any:
         return "cpu"
+
+    def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
+        # NumPy records nothing for autodiff: the blockwise steps may always write in
+        # place (into arrays the loop made, never the inputs).
+        return InPlaceMath(xp)
 
     def memo_keys(self) -> MemoKeys:
         return _shape_dtype, _qkv_key
