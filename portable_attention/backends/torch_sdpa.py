@@ -47,7 +47,7 @@ def fused_reason(call: _spec.Call) -> str | None:
 
 #: SDPA's CPU kernels give 0 on a row with no key from torch 2.5 (its safe softmax); before,
 #: NaN, so rows with no key are then set to 0 as on other devices.
-_CPU_EMPTY_ROWS_ZERO = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+_CPU_EMPTY_ROWS_ZERO = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
 
 
 def sdpa(call: _spec.Call, q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) -> Any:

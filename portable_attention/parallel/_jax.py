@@ -118,9 +118,9 @@ def _positions(axis_name: Any, plan: Schedule, user: Any) -> Callable[[int], tup
     if user is None:
         return lambda shift: ()
     size = plan.num_shards
-    tables = tuple(
-        jnp.asarray(_layout.position_table(length, size, plan.layout))
-        for length in (plan.q_length, plan.k_length)
+    tables = (
+        jnp.asarray(_layout.position_table(plan.q_length, size, plan.layout)),
+        jnp.asarray(_layout.position_table(plan.k_length, size, plan.layout)),
     )
     me = jax.lax.axis_index(axis_name)
     return lambda shift: _ring.step_positions(tables, me, shift, size)

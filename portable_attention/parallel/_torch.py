@@ -408,7 +408,7 @@ def ring_attend(
 ) -> Any:
     """The ring on torch tensors (checked by the caller, ``group`` resolved and the ranks
     agreeing): see :func:`portable_attention.parallel.ring_attend`."""
-    resolved = group
+    resolved: Any = group
     size, rank = dist.get_world_size(resolved), dist.get_rank(resolved)
     lq, lk = q.shape[-2] * size, k.shape[-2] * size
     _layout.check_length(
@@ -421,8 +421,10 @@ def ring_attend(
     mods = _ring.user_mods(score_mod, mask_mod)
     positions = None
     if mods is not None:
-        tables = (_layout.position_table(n, size, layout) for n in (lq, lk))
-        positions = tuple(torch.as_tensor(t, device=q.device) for t in tables)
+        positions = (
+            torch.as_tensor(_layout.position_table(lq, size, layout), device=q.device),
+            torch.as_tensor(_layout.position_table(lk, size, layout), device=q.device),
+        )
     ring = Ring(
         group=resolved,
         rank=rank,
