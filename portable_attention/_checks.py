@@ -9,6 +9,8 @@ from typing import Any
 
 import array_api_compat
 
+from portable_attention.backends import adapter
+
 
 def type_name(x: object) -> str:
     t = type(x)
@@ -102,21 +104,18 @@ def real_number(name: str, value: object) -> float:
         raise TypeError(msg)
     if isinstance(value, (int, float)):  # first: torch.compile(dynamic=True) makes floats
         return _as_float(value)  # symbolic, and cannot trace the getattr below on them
-    if getattr(value, "requires_grad", False):
-        msg = (
-            f"`{name}` must be a Python float, got a tensor that requires grad; its gradient "
-            "would be lost: multiply q (or the scores' inputs) by it instead."
-        )
+    framework = adapter(backend_name(value)) if hasattr(value, "shape") else None
+    refusal = None if framework is None else framework.scalar_refusal(name, value)
+    if refusal is not None:
+        msg = f"`{name}` must be a Python float, got {refusal}."
         raise TypeError(msg)
     try:
         return float(value)  # type: ignore[arg-type]  # NumPy scalars, 0-d arrays
     except (TypeError, ValueError):
         msg = f"`{name}` must be a Python float, got {value!r} of type {type_name(value)}."
-        if hasattr(value, "shape"):  # a traced or many-element array
-            msg += " A value that chooses the computation must be a Python number"
-            if type(value).__module__.startswith(("jax", "jaxlib")):
-                msg += " (under jax.jit: a static argument, `static_argnames`)"
-            msg += "."
+        if framework is not None:  # a traced or many-element array
+            hint = framework.static_hint
+            msg += f" A value that chooses the computation must be a Python number{hint}."
         raise TypeError(msg) from None
 
 

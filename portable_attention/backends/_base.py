@@ -235,6 +235,16 @@ class Adapter(ABC):
         ``attend`` cannot take as it is (NumPy's scalars and masked arrays, torch's nested
         and sparse tensors); run on every array of every validated call."""
 
+    def scalar_refusal(self, name: str, x: Any) -> str | None:
+        """Why an array of this framework given for the number option ``name`` (``scale``,
+        ``softcap``, ``dropout``) cannot be read as one (torch: a tensor that requires grad,
+        whose gradient would be lost); None: its value is read."""
+        return None
+
+    #: What to do instead when a number option's array cannot be read on the host (a
+    #: traced or many-element array): appended to the TypeError.
+    static_hint: ClassVar[str] = ""
+
     def device(self, x: Any) -> Any:
         """The device of array ``x``."""
         return array_api_compat.device(x)

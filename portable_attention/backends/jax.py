@@ -247,6 +247,8 @@ class JaxAdapter(Adapter):
     def caches_type(self, x: Any) -> bool:
         return type(x).__module__ != "numpy"  # JAX's float0 gradients are NumPy arrays
 
+    static_hint = " (under jax.jit: a static argument, `static_argnames`)"
+
     def traced(self, x: Any) -> bool:
         return isinstance(x, jax.core.Tracer)
 

@@ -393,6 +393,14 @@ class TorchAdapter(Adapter):
     def tracing(self) -> bool:
         return bool(torch.compiler.is_compiling())
 
+    def scalar_refusal(self, name: str, x: Any) -> str | None:
+        if x.requires_grad:
+            return (
+                "a tensor that requires grad; its gradient would be lost: multiply q (or the "
+                "scores' inputs) by it instead"
+            )
+        return None
+
     def check_array(self, name: str, x: Any) -> None:
         # Sparse and nested tensors: our TypeError, not torch's from inside a kernel.
         if x.is_nested or x.layout is not torch.strided:
