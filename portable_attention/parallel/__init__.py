@@ -12,8 +12,10 @@
   :func:`schedule`: the ring's steps and their work.
 
 The framework code lives in ``portable_attention.parallel._jax`` and ``._torch``, imported
-only when that framework's arrays arrive; the layouts, the schedule and the lse merge are
-array-API code shared by both.
+only when that framework's arrays arrive, each with the same interface (``check_link``,
+``ring_options``, ``ulysses_shard``, ``fold_rng``, ``permute_sharded``, the all-to-alls and
+the ring), so this module never asks which framework it runs; the layouts, the schedule,
+the ranks' agreement and the lse merge are array-API code shared by both.
 """
 
 from __future__ import annotations
@@ -64,24 +66,6 @@ def _framework(backend: str, what: str) -> Any:
         )
         raise TypeError(msg)
     return importlib.import_module(f"{__name__}.{module}")
-
-
-def _where(backend: str, axis_name: object, group: object, what: str) -> None:
-    """``axis_name`` goes with JAX arrays, ``group`` with torch tensors: the other one is
-    a TypeError that says which to pass."""
-    if backend == "jax" and group is not None:
-        msg = (
-            f"`group` is torch.distributed's, but `{what}` got JAX arrays: pass the mesh axis "
-            "the sequence is sharded over as `axis_name=` inside `jax.shard_map`."
-        )
-        raise TypeError(msg)
-    if backend == "torch" and axis_name is not None:
-        msg = (
-            f"`axis_name` names a JAX mesh axis, but `{what}` got torch tensors: pass a "
-            "torch.distributed ProcessGroup (or a 1-D DeviceMesh) as `group=`, or nothing "
-            "for the world group."
-        )
-        raise TypeError(msg)
 
 
 def ring_attend(
@@ -197,24 +181,15 @@ def ring_attend(
     given.update({"chunk_size": chunk_size, "return_lse": return_lse, "sinks": sinks})
     given.update({"segment_ids": segment_ids, "score_mod": score_mod, "mask_mod": mask_mod})
     _, backend, _ = _spec.check_arrays(q=q, k=k, v=v)
-    _where(backend, axis_name, group, "ring_attend")
-    _check_ring_ids(segment_ids)
     module = _framework(backend, "ring_attend")
+    module.check_link(axis_name, group, "ring_attend")
+    _check_ring_ids(segment_ids)
     refused = None
     if layout == _documents.DOCUMENT_ZIGZAG:
         modded = mask_mod is not None or score_mod is not None
         refused = _refuse_documents(q, segment_ids, window, modded)
-    if backend == "torch":
-        link = module.resolve_group(group, q)
-        travels = {"segment_ids": segment_ids}
-        route = {"autograd route (a score_mod with grad mode on)": module.differentiated(score_mod)}
-        options = _agree(
-            module, link, q, k, v, given, layout, travels=travels, refused=refused, extra=route
-        )
-    else:
-        if refused is not None:
-            raise refused
-        link, options = axis_name, _options.options(**_scalars(given))
+    # The options normalised once (on torch.distributed, agreed by every rank first).
+    link, options = module.ring_options(axis_name, group, q, k, v, given, layout, refused)
     if sinks is not None:  # the sinks merge after the ring, from its lse
         options = dataclasses.replace(options, return_lse=True)
     # A block plan is for the global lengths: the ring checks it (its function here).
@@ -350,22 +325,15 @@ def ulysses_attend(
     """
     layout = check_layout(layout)
     xp, backend, _device = _spec.check_arrays(q=q, k=k, v=v)
-    _where(backend, axis_name, group, "ulysses_attend")
     module = _framework(backend, "ulysses_attend")
+    module.check_link(axis_name, group, "ulysses_attend")
     if q.ndim < 3 or k.ndim < 3:
         msg = (
             f"ulysses_attend splits the heads (axis -3) over the shards: q, k, v need "
             f"[..., H, L, D], got q {tuple(q.shape)}, k {tuple(k.shape)}."
         )
         raise ValueError(msg)
-    if backend == "jax":
-        link = axis_name
-        size = module.axis_size(axis_name)
-        index = module.shard_index(axis_name)
-    else:
-        link = module.resolve_group(group, q)
-        size, index = module.group_size(link), module.group_rank(link)
-        _agree(module, link, q, k, v, options, layout)
+    link, size, index = module.ulysses_shard(axis_name, group, q, k, v, options, layout)
     hq, hk = q.shape[-3], k.shape[-3]
     _check_heads(hq, hk, size)
     if hk % size != 0:  # P % Hk == 0: each shard's query heads use one K/V head
@@ -384,7 +352,7 @@ def ulysses_attend(
     for name in ("score_mod", "mask_mod"):
         if callable(options.get(name)) and hq != heads:
             options[name] = _global_heads(options[name], index * heads, name)
-    if backend == "jax" and options.get("rng") is not None:
+    if options.get("rng") is not None:
         options["rng"] = module.fold_rng(options["rng"], index)
     result = _attend(qh, kh, vh, options)
     return_lse = bool(options.get("return_lse", False))
@@ -396,59 +364,6 @@ def ulysses_attend(
             item = permute(xp, item, size, layout, item.ndim + seq, inverse=False)
         back.append(module.heads_to_seq(item, link, heads=seq - 1, seq=seq))
     return tuple(back) if isinstance(result, tuple) else back[0]
-
-
-#: attend's keywords that are arrays or functions: ranks must agree on their presence.
-_GIVEN = ("mask", "bias", "rng", "sinks", "segment_ids", "score_mod", "mask_mod")
-
-
-def _scalars(options: dict[str, Any]) -> dict[str, Any]:
-    """attend's option keywords of ``options``, without its arrays and functions."""
-    return {name: value for name, value in options.items() if name not in _GIVEN}
-
-
-def _agree(
-    module: Any,
-    link: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    options: dict[str, Any],
-    layout: str,
-    *,
-    travels: dict[str, Any] | None = None,
-    refused: Exception | None = None,
-    extra: dict[str, object] | None = None,
-) -> _options.Options:
-    """torch.distributed: every rank of the group holds shards of one shape and dtype and
-    passes the same options (normalised: ``causal=True`` and ``"lower_right"`` agree, as
-    ``scale=None`` and ``1/sqrt(Dk)``), the same layout and the same arrays and functions
-    present, checked in one exchange before anything else can raise on one rank alone:
-    options that do not validate enter it too, so every rank raises, none waits.
-    Arrays that ``travels`` names go around the ring with K/V (the ring's segment ids):
-    their shapes enter the exchange too, None where absent. ``refused``: what this rank
-    found wrong with its own shard's arrays (the per-document layout's ids), raised on
-    every rank after the exchange. ``extra``: more values the ranks must agree on.
-    Returns the normalised options (checked once, here)."""
-    invalid: Exception | None = None
-    try:
-        normalised = _options.options(**_scalars(options))
-    except (TypeError, ValueError) as err:
-        normalised, invalid = _options.Options(), err
-    agreed: dict[str, object] = dict(vars(normalised))
-    if normalised.scale is None:
-        agreed["scale"] = _options.default_scale(q.shape[-1])
-    agreed.update({name: options.get(name) is not None for name in _GIVEN})
-    agreed["layout"] = layout
-    agreed["invalid options"] = None if invalid is None else str(invalid)
-    agreed["refused shard arrays"] = None if refused is None else str(refused)
-    agreed.update(extra or {})
-    module.check_agreement(link, {"q": q, "k": k, "v": v, **(travels or {})}, agreed)
-    if invalid is not None:  # on every rank alike: the exchange compared it
-        raise invalid
-    if refused is not None:
-        raise refused
-    return normalised
 
 
 def _global_heads(mod: Any, first: Any, name: str) -> Any:
@@ -527,7 +442,8 @@ def sharded_attend(
         layout if layout is not None else ("zigzag" if method == "ring" else "contiguous")
     )
     _xp, backend, _device = _spec.check_arrays(q=q, k=k, v=v)
-    if backend != "jax":
+    module = _FRAMEWORKS.get(backend)
+    if module != "_jax":
         msg = (
             f"sharded_attend takes JAX arrays and a JAX mesh, got {backend} arrays; on "
             "torch.distributed call ring_attend/ulysses_attend on each rank's shard."
@@ -545,8 +461,7 @@ def sharded_attend(
                 f"{sorted(_RING_OPTIONS)} (mask, bias, dropout and weights: method='ulysses')."
             )
             raise TypeError(msg)
-    module = _framework("jax", "sharded_attend")
-    return module.sharded_attend(
+    return _framework(backend, "sharded_attend").sharded_attend(
         q, k, v, mesh=mesh, axis=axis, method=method, layout=chosen, extra=options
     )
 
@@ -631,8 +546,10 @@ def _permute(
     if documents != (None, None):
         msg = f"`segment_ids` and `cu_seqlens` go with layout {_documents.DOCUMENT_ZIGZAG!r}."
         raise TypeError(msg)
-    if backend == "jax" and name != "contiguous" and shards > 1:
-        moved = _framework("jax", "reorder").permute_sharded(x, shards, name, ax, inverse=inverse)
+    if backend in _FRAMEWORKS and name != "contiguous" and shards > 1:
+        # On JAX, an array sharded along the axis moves between its devices (ppermute).
+        module = _framework(backend, "reorder")
+        moved = module.permute_sharded(x, shards, name, ax, inverse=inverse)
         if moved is not None:
             return moved
     return permute(xp, x, shards, name, ax, inverse=inverse)

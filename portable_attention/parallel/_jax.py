@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from portable_attention import _spec
+from portable_attention import _options, _spec
 from portable_attention._options import Options
-from portable_attention.parallel import _layout, _ring
+from portable_attention.parallel import _agree, _layout, _ring
 from portable_attention.parallel._schedule import Block, Schedule, Step
 
 XP = None  # the array-API namespace of JAX arrays, bound on first use
@@ -38,6 +38,50 @@ def _xp() -> Any:
 
         XP = array_api_compat.array_namespace(jnp.zeros(1))
     return XP
+
+
+# -- what parallel/__init__ asks of either framework's collectives ------------------------
+
+
+def check_link(axis_name: object, group: object, what: str) -> None:
+    """JAX arrays go with ``axis_name``: ``group`` (torch.distributed's) is a TypeError
+    that says what to pass."""
+    if group is not None:
+        msg = (
+            f"`group` is torch.distributed's, but `{what}` got JAX arrays: pass the mesh axis "
+            "the sequence is sharded over as `axis_name=` inside `jax.shard_map`."
+        )
+        raise TypeError(msg)
+
+
+def ring_options(
+    axis_name: object,
+    group: object,
+    q: Any,
+    k: Any,
+    v: Any,
+    given: dict[str, Any],
+    layout: str,
+    refused: Exception | None,
+) -> tuple[Any, Options]:
+    """The ring's mesh axis and its options, normalised once (every shard traces the
+    same call: nothing to agree on)."""
+    if refused is not None:
+        raise refused
+    return axis_name, _options.options(**_agree.scalars(given))
+
+
+def ulysses_shard(
+    axis_name: object,
+    group: object,
+    q: Any,
+    k: Any,
+    v: Any,
+    options: dict[str, Any],
+    layout: str,
+) -> tuple[Any, int, Any]:
+    """Ulysses' mesh axis, its size and this shard's (traced) index."""
+    return axis_name, axis_size(axis_name), shard_index(axis_name)
 
 
 def axis_size(axis_name: object) -> int:

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 from portable_attention import _spec
 from portable_attention._checks import type_name
 from portable_attention._options import Options
-from portable_attention.parallel import _layout, _ring
+from portable_attention.parallel import _agree, _layout, _ring
 from portable_attention.parallel._schedule import Schedule
 
 XP: Any = None
@@ -38,6 +38,71 @@ def _xp() -> Any:
 
         XP = array_api_compat.array_namespace(torch.zeros(1))
     return XP
+
+
+# -- what parallel/__init__ asks of either framework's collectives ------------------------
+
+
+def check_link(axis_name: object, group: object, what: str) -> None:
+    """torch tensors go with ``group``: ``axis_name`` (a JAX mesh axis) is a TypeError
+    that says what to pass."""
+    if axis_name is not None:
+        msg = (
+            f"`axis_name` names a JAX mesh axis, but `{what}` got torch tensors: pass a "
+            "torch.distributed ProcessGroup (or a 1-D DeviceMesh) as `group=`, or nothing "
+            "for the world group."
+        )
+        raise TypeError(msg)
+
+
+def ring_options(
+    axis_name: object,
+    group: object,
+    q: Any,
+    k: Any,
+    v: Any,
+    given: dict[str, Any],
+    layout: str,
+    refused: Exception | None,
+) -> tuple[Any, Options]:
+    """The ring's group and its options, normalised once and agreed by every rank (the
+    ring's segment ids travel with K/V; whether a score_mod takes autograd's route too)."""
+    link = resolve_group(group, q)
+    route: dict[str, object] = {
+        "autograd route (a score_mod with grad mode on)": differentiated(given["score_mod"])
+    }
+    travels = {"segment_ids": given["segment_ids"]}
+    options = _agree.agree(
+        check_agreement, link, q, k, v, given, layout, travels=travels, refused=refused, extra=route
+    )
+    return link, options
+
+
+def ulysses_shard(
+    axis_name: object,
+    group: object,
+    q: Any,
+    k: Any,
+    v: Any,
+    options: dict[str, Any],
+    layout: str,
+) -> tuple[Any, int, int]:
+    """Ulysses' group, its size and this rank's index, once the ranks agreed on the
+    call (``attend`` then normalises the options on each rank)."""
+    link = resolve_group(group, q)
+    _agree.agree(check_agreement, link, q, k, v, options, layout)
+    return link, group_size(link), group_rank(link)
+
+
+def fold_rng(rng: Any, index: int) -> Any:
+    """Each rank's dropout generator is its own: kept as given."""
+    return rng
+
+
+def permute_sharded(x: Any, size: int, layout: str, axis: int, *, inverse: bool) -> None:
+    """A rank's tensor holds no other rank's shards: None, the array-API permutation
+    runs."""
+    return None
 
 
 def resolve_group(group: object, x: Any) -> Any:
