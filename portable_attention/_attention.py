@@ -413,7 +413,8 @@ def attend_backward(
     ``causal``/``window`` mask entirely are skipped; rows with no key get zero gradients.
     Where the batch or a length is unknown (None in the shape: ndonnx's symbolic dims),
     the one block is the whole ``[..., Lq, Lk]`` matrix, built from the arrays' shapes
-    (the graph holds for every value; dropout, segment ids and mods are refused there).
+    (the graph holds for every value; dropout, a pair of segment ids and mods are
+    refused there).
 
     Parameters
     ----------
@@ -506,13 +507,13 @@ def run_backward(
     mods: _mods.Mods | None = None,
 ) -> Grads:
     """:func:`attend_backward` of a validated ``call`` (as :func:`run_call`)."""
-    if call.unknown_dims:  # no blocks of unknown lengths (nor dropout, ids or mods)
-        return _dense_backward.backward(
-            call, dout, q, k, v, out, lse, mask, bias, dlse=dlse, sinks=sinks
-        )
-    keep = _block_keep(call, rng)
     if mods is None:
         mods = _mods.prepare(call, segment_ids, None, mask_mod)
+    if call.unknown_dims:  # no blocks of unknown lengths (nor dropout, a pair of ids, mods)
+        return _dense_backward.backward(
+            call, dout, q, k, v, out, lse, mask, bias, dlse=dlse, sinks=sinks, mods=mods
+        )
+    keep = _block_keep(call, rng)
     return adapter(call.backend).blockwise_backward(
         call, dout, q, k, v, out, lse, mask, bias, keep, dlse, mods, sinks
     )

@@ -4,8 +4,8 @@ backward cannot cut blocks. The same rule as the blockwise backward (FlashAttent
 recomputed from ``lse``), written once over ``[..., Lq, Lk]``: ``p = exp(s - lse)``,
 ``ds = p * (dout @ v^T - delta)``; array-API calls only, every shape read off the arrays
 (never a Python int of a length), so the graph a lazy library records holds for every
-value of its symbolic dims. Dropout, segment ids and mods are refused on such calls
-before this runs (``_spec``).
+value of its symbolic dims. Dropout, a pair of segment ids and mods are refused on such
+calls before this runs (``_spec``); one array of ids is a mask of the whole matrix.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from portable_attention import _core
 from portable_attention._block_math import BlockMath
 from portable_attention._blockwise import Grads
+from portable_attention._mods import Mods
 from portable_attention._spec import Call
 
 
@@ -30,14 +31,16 @@ def backward(
     bias: Any = None,
     dlse: Any = None,
     sinks: Any = None,
+    mods: Mods | None = None,
 ) -> Grads:
     """The gradients of ``attend``'s inputs from ``dout``, ``out`` and ``lse`` (and
-    ``dlse``, ``sinks``), as :func:`portable_attention._blockwise.backward` gives them."""
+    ``dlse``, ``sinks``; ``mods``: one array of segment ids), as
+    :func:`portable_attention._blockwise.backward` gives them."""
     xp, ct = call.xp, call.compute_dtype
     ops = _core.operands(call, q, k, v, mask, bias, q_factor=_core.q_factor(call))
-    allow = _core.dense_allow(call, ops, None)
+    allow = _core.dense_allow(call, ops, mods)
     s, t = _core.block_scores(
-        call, ops.q, ops.k, (0, None), (0, None), bias=ops.bias, mods=None, allow=allow,
+        call, ops.q, ops.k, (0, None), (0, None), bias=ops.bias, mods=mods, allow=allow,
         math=BlockMath(xp), need_t=True,
     )  # fmt: skip
 
