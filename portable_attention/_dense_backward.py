@@ -40,7 +40,8 @@ def backward(
     ops = _core.operands(call, q, k, v, mask, bias, q_factor=_core.q_factor(call))
     allow = _core.dense_allow(call, ops, mods)
     s, t = _core.block_scores(
-        call, ops.q, ops.k, (0, None), (0, None), bias=ops.bias, mods=mods, allow=allow,
+        call, ops.q, ops.k, (0, ops.q.shape[-2]), (0, ops.k.shape[-2]), bias=ops.bias,
+        mods=mods, allow=allow,
         math=BlockMath(xp), need_t=True,
     )  # fmt: skip
 
