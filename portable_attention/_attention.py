@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from portable_attention import _blockwise, _core, _memo, _mods
+from portable_attention import _blockwise, _core, _dense_backward, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._options import Options, options
 from portable_attention._plan import BLOCKWISE, DENSE, Plan, choose
@@ -411,6 +411,10 @@ def attend_backward(
     recomputed as ``exp(s - lse)``, so peak memory is ``O((Lq + Lk) * D + block**2)`` per
     head and nothing of the forward but ``out`` and ``lse`` is needed. Blocks that
     ``causal``/``window`` mask entirely are skipped; rows with no key get zero gradients.
+    Where the batch or a length is unknown (None in the shape: ndonnx's symbolic dims),
+    the one block is the whole ``[..., Lq, Lk]`` matrix, built from the arrays' shapes
+    (the graph holds for every value; dropout, a pair of segment ids and mods are
+    refused there).
 
     Parameters
     ----------
@@ -503,9 +507,13 @@ def run_backward(
     mods: _mods.Mods | None = None,
 ) -> Grads:
     """:func:`attend_backward` of a validated ``call`` (as :func:`run_call`)."""
-    keep = _block_keep(call, rng)
     if mods is None:
         mods = _mods.prepare(call, segment_ids, None, mask_mod)
+    if call.unknown_dims:  # no blocks of unknown lengths (nor dropout, a pair of ids, mods)
+        return _dense_backward.backward(
+            call, dout, q, k, v, out, lse, mask, bias, dlse=dlse, sinks=sinks, mods=mods
+        )
+    keep = _block_keep(call, rng)
     return adapter(call.backend).blockwise_backward(
         call, dout, q, k, v, out, lse, mask, bias, keep, dlse, mods, sinks
     )

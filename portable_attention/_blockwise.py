@@ -573,7 +573,7 @@ def check_backward_arrays(call: Call, q: Any, *, dout: Any, out: Any, lse: Any, 
     ):
         if x is None:
             continue
-        if shape_of(x) != shape:
+        if not _same_shape(shape_of(x), shape):
             msg = (
                 f"`{name}` must have {what} = {shape} for q {call.q_shape}, k {call.k_shape}, "
                 f"v {call.v_shape}, got {shape_of(x)}; pass the `out` and `lse` that "
@@ -588,3 +588,11 @@ def check_backward_arrays(call: Call, q: Any, *, dout: Any, out: Any, lse: Any, 
                 f"got {x.dtype}; cast it with `xp.astype({name}, ...)` first."
             )
             raise TypeError(msg)
+
+
+def _same_shape(got: tuple[Any, ...], want: tuple[Any, ...]) -> bool:
+    """Whether shapes agree where both are known (None: a dimension a lazy library leaves
+    unknown, such as ndonnx's symbolic dims, which its results may lose)."""
+    return len(got) == len(want) and all(
+        a is None or b is None or a == b for a, b in zip(got, want, strict=True)
+    )

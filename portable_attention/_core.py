@@ -397,6 +397,18 @@ def empty_keys(call: Call, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     return out, weights, lse
 
 
+def group_rows(call: Call, x: Any) -> Any:
+    """An array of the output's rows (``dout``, ``out`` ``[..., Hq, Lq, Dv]``; ``lse``
+    with a trailing axis of 1) with its heads split as :func:`operands` splits q's,
+    without a reshape where a dimension is unknown."""
+    xp = call.xp
+    if len(call.q_shape) == 2:
+        return xp.expand_dims(x, axis=0)
+    hk = call.k_shape[-3]
+    group = call.q_shape[-3] // hk
+    return _group_heads(xp, x, hk, group, kv=False, fixed=not call.unknown_dims)
+
+
 def ungrouped(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[Any, Any]:
     """Grouped ``[..., Hk, G, Lq, Dv]`` results back to the caller's shapes and dtype
     (``lq``: the rows computed, where they are a block of the call's queries)."""
@@ -405,11 +417,11 @@ def ungrouped(call: Call, out: Any, lse: Any, lq: int | None = None) -> tuple[An
     if not call.unknown_dims:
         out = xp.astype(xp.reshape(out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
         return out, xp.reshape(lse, lead)
-    out = xp.astype(_caller_heads(call, out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
-    return out, _caller_heads(call, lse, lead)
+    out = xp.astype(caller_heads(call, out, (*lead, call.v_shape[-1])), call.dtype, copy=False)
+    return out, caller_heads(call, lse, lead)
 
 
-def _caller_heads(call: Call, x: Any, shape: tuple[Any, ...]) -> Any:
+def caller_heads(call: Call, x: Any, shape: tuple[Any, ...]) -> Any:
     """A result with the kernels' heads (``[..., Hk, G, *tail]``, or ``[1, *tail]`` for
     2-D q) in the caller's ``shape`` (``[..., Hq, *tail]``, or ``tail``): a reshape, or
     where a dimension is unknown, the 2-D case's one head taken and the ``Hk`` groups
@@ -458,17 +470,7 @@ def dense(
     xp = call.xp
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
-    if not band:
-        allow = ops.mask
-    elif lq is not None and lk is not None:
-        allow = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk))
-    else:
-        allow = _unknown_lengths_band(call, ops.q, ops.k)
-        allow = ops.mask if allow is None else (allow if ops.mask is None else ops.mask & allow)
-    if mods is not None:
-        extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
-        if extra is not None:
-            allow = extra if allow is None else allow & extra
+    allow = dense_allow(call, ops, mods, band=band)
     s, _ = block_scores(
         call, ops.q, ops.k, (0, lq), (0, lk), bias=ops.bias, mods=mods, allow=allow,
         math=BlockMath(xp), scores=scores,
@@ -483,11 +485,31 @@ def dense(
     weights = None
     if call.return_weights:
         weights = xp.astype(
-            _caller_heads(call, e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
+            caller_heads(call, e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
             call.dtype,
             copy=False,
         )
     return out, weights, lse
+
+
+def dense_allow(call: Call, ops: Operands, mods: Mods | None, *, band: bool = True) -> Any:
+    """The dense path's mask of the whole score matrix (True = may attend; None where
+    nothing masks): ``mask``, the band of ``causal``/``window`` (built from the arrays'
+    positions where a length is unknown; left out with ``band=False``), segment ids and
+    ``mask_mod``."""
+    lq, lk = ops.q.shape[-2], call.k_shape[-2]
+    if not band:
+        allow = ops.mask
+    elif lq is not None and lk is not None:
+        allow = allow_mask(call, ops.mask, rows=(0, lq), cols=(0, lk))
+    else:
+        allow = _unknown_lengths_band(call, ops.q, ops.k)
+        allow = ops.mask if allow is None else (allow if ops.mask is None else ops.mask & allow)
+    if mods is not None:
+        extra = _mods.block_mask(call, mods, (0, lq), (0, lk), (*ops.q.shape[:-1], lk))
+        if extra is not None:
+            allow = extra if allow is None else allow & extra
+    return allow
 
 
 def inverted_dropout(xp: Any, x: Any, keep_mask: KeepMask, p: float) -> Any:

@@ -190,8 +190,13 @@ def block_mask(
         ki = cut(mods.kv_ids, cols)
         # The ids' leading dims align with q's batch dims (from the right), then heads.
         heads = len(layout) - 2 - len(call.q_shape[:-3])
-        q_col = xp.reshape(qi, (*qi.shape[:-1], *(1,) * heads, rows[1], 1))
-        k_row = xp.reshape(ki, (*ki.shape[:-1], *(1,) * heads, 1, cols[1]))
+        if call.unknown_dims:  # one array of ids, whole (no reshape of unknown dims)
+            q_col, k_row = xp.expand_dims(qi, axis=-1), xp.expand_dims(ki, axis=-2)
+            for _ in range(heads):
+                q_col, k_row = xp.expand_dims(q_col, axis=-3), xp.expand_dims(k_row, axis=-3)
+        else:
+            q_col = xp.reshape(qi, (*qi.shape[:-1], *(1,) * heads, rows[1], 1))
+            k_row = xp.reshape(ki, (*ki.shape[:-1], *(1,) * heads, 1, cols[1]))
         keep = q_col == k_row
         if mods.q_pos is not None:
             qp = xp.reshape(cut(mods.q_pos, rows), tuple(q_col.shape))
@@ -214,7 +219,7 @@ def block_mask(
 
 def _cut(x: Any, span: tuple[Any, int]) -> Any:
     start, n = span
-    return x[..., start : start + n]
+    return x[..., start : None if n is None else start + n]  # None: all (unknown length)
 
 
 def _check_framework(xp: Any, got: Any, name: str, inputs: str) -> None:

@@ -312,7 +312,8 @@ def _check_unknown_dims(
     allows: ndonnx's symbolic dims) may be the batch and the lengths, where the dense
     path reads what it needs from the arrays; not the heads and features, which the
     grouping of heads and the scale are written with, nor what builds per-position
-    arrays on the host (segment ids, mods, dropout's masks, blocks)."""
+    arrays on the host (a pair of segment ids, mods, dropout's masks, blocks). One array
+    of segment ids (packed self-attention) is compared with itself, no length needed."""
     qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
     if not any(d is None for d in (*qs, *ks, *vs)):
         return
@@ -329,7 +330,7 @@ def _check_unknown_dims(
     given = [
         name
         for name, there in (
-            ("segment_ids", segments is not None),
+            ("segment_ids", segments == "pair"),
             ("score_mod", score_mod is not None),
             ("mask_mod", mask_mod is not None),
             ("dropout", options.dropout > 0),
@@ -337,10 +338,14 @@ def _check_unknown_dims(
         if there
     ]
     if given:
-        fix = (
-            ""
-            if given[0] == "dropout"
-            else (", or pass what it means as a boolean `mask=` or a `bias=` of the same dims")
+        fix = {
+            "dropout": "",
+            "segment_ids": (
+                " (one array of ids, for packed self-attention, needs none), or pass what "
+                "the pair means as a boolean `mask=` of the same dims"
+            ),
+        }.get(
+            given[0], ", or pass what it means as a boolean `mask=` or a `bias=` of the same dims"
         )
         msg = (
             f"`{given[0]}` builds arrays of the call's lengths on the host, but {shapes} "

@@ -187,15 +187,40 @@ def cluster_client() -> Iterator[Any]:
 
 def test_on_a_cluster_of_worker_processes(cluster_client: Any) -> None:
     """The graph attend builds runs on worker processes (each computing its batch and
-    head chunks): the functions it holds (the mods, the kernels) travel by pickle."""
+    head chunks): the functions it holds (the mods, the kernels) travel by pickle. Built
+    lazily (no compute during the calls), with ``attend_backward`` and the mask builders;
+    equal to the float64 oracle and to NumPy's ``attend_backward`` to 1e-12."""
     (q, k, v), (dq, dk, dv) = _arrays("cluster")
-    out = pa.attend(dq, dk, dv, causal=True, softcap=5.0, chunk_size=16)
-    modded = pa.attend(dq, dk, dv, segment_ids=da.from_array(IDS), score_mod=_tilt)
-    got, got_modded = cluster_client.compute([out, modded], sync=True)
+    w_out = randn(rng_for("dask", "cluster-dout"), q.shape)
+    lengths = np.array([[8, 0, 40], [48, 0, 0]])
+    with _lazy():
+        out = pa.attend(dq, dk, dv, causal=True, softcap=5.0, chunk_size=16)
+        ids = masks.segment_ids_from_lengths(da.from_array(lengths), total=L)
+        modded, lse = pa.attend(
+            dq, dk, dv, segment_ids=ids, mask_mod=_band_mod, causal=True, return_lse=True
+        )
+        grads = pa.attend_backward(
+            da.from_array(w_out), dq, dk, dv, modded, lse,
+            segment_ids=ids, mask_mod=_band_mod, causal=True,
+        )  # fmt: skip
+        scored = pa.attend(dq, dk, dv, segment_ids=da.from_array(IDS), score_mod=_tilt)
+    got, got_modded, got_scored, *got_grads = cluster_client.compute(
+        [out, modded, scored, *grads[:3]], sync=True
+    )
+    np_ids = masks.segment_ids_from_lengths(lengths, total=L)
     ref, _, _ = oracle.attention(q, k, v, causal=True, softcap=5.0)
-    ref_modded, _, _ = oracle.attention(q, k, v, segment_ids=IDS, score_mod=_tilt)
+    ref_modded, _, ref_lse = oracle.attention(
+        q, k, v, segment_ids=np_ids, mask_mod=_band_mod, causal=True
+    )
+    ref_scored, _, _ = oracle.attention(q, k, v, segment_ids=IDS, score_mod=_tilt)
     np.testing.assert_allclose(got, ref, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(got_modded, ref_modded, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(got_scored, ref_scored, rtol=TOL, atol=TOL)
+    ref_grads = pa.attend_backward(
+        w_out, q, k, v, ref_modded, ref_lse, segment_ids=np_ids, mask_mod=_band_mod, causal=True
+    )
+    for name, g, want in zip("qkv", got_grads, ref_grads[:3], strict=True):
+        np.testing.assert_allclose(g, want, rtol=TOL, atol=TOL, err_msg=f"d{name}")
 
 
 def test_auto_runs_attend_per_chunk_where_it_can() -> None:

@@ -345,6 +345,12 @@ def test_mod_returning_another_frameworks_array(first_backend: Backend) -> None:
 
     with pytest.raises(TypeError, match=r"`mask_mod` returned a torch.Tensor, but its inputs"):
         attend(q, k, v, mask_mod=mask_mod)
+
+    def uint8_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:  # the issue's: torch ops
+        return torch.tril(torch.ones((q_idx.shape[0], kv_idx.shape[-1]), dtype=torch.uint8))
+
+    with pytest.raises(TypeError, match=r"`mask_mod` returned a torch.Tensor, but its inputs"):
+        attend(q, k, v, mask_mod=uint8_mod)
     with pytest.raises(TypeError, match=r"`score_mod` returned a torch.Tensor, but its inputs"):
         attend(q, k, v, score_mod=score_mod)
 

@@ -161,22 +161,24 @@ def test_torch_export_segment_ids_and_the_module_with_dynamic_lengths() -> None:
     q, k, v = (torch.from_numpy(x) for x in _inputs(40, 40))
     ids = torch.from_numpy(_packed_ids(2, 40, (30,)))
     run = torch.export.export(Packed(), (q, k, v, ids), dynamic_shapes=dims).module()
-    arrays = _inputs(100, 100)
-    packed = _packed_ids(2, 100, (17, 60, 61))
-    got = run(*(torch.from_numpy(x) for x in (*arrays, packed))).numpy()
-    want = oracle.attention(*arrays, causal=True, segment_ids=packed)[0]
-    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    for n, cuts in ((2, (1,)), (100, (17, 60, 61)), (257, (0, 100))):
+        arrays = _inputs(n, n)
+        packed = _packed_ids(2, n, cuts)
+        got = run(*(torch.from_numpy(x) for x in (*arrays, packed))).numpy()
+        want = oracle.attention(*arrays, causal=True, segment_ids=packed)[0]
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
     torch.manual_seed(0)
     module = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=torch.float64)
     x = torch.randn(2, 50, 32, dtype=torch.float64)
     batch = torch.export.Dim("B", max=64)
     program = torch.export.export(module, (x,), dynamic_shapes=({0: batch, 1: length},))
-    x2 = torch.randn(3, 77, 32, dtype=torch.float64)
-    with torch.no_grad():
-        np.testing.assert_allclose(
-            program.module()(x2).numpy(), module(x2).numpy(), rtol=TOL, atol=TOL
-        )
+    for shape in ((1, 2), (3, 77), (2, 300)):
+        x2 = torch.randn(*shape, 32, dtype=torch.float64)
+        with torch.no_grad():
+            np.testing.assert_allclose(
+                program.module()(x2).numpy(), module(x2).numpy(), rtol=TOL, atol=TOL
+            )
 
 
 @requires_backend("jax")
@@ -196,11 +198,12 @@ def test_jax_export_segment_ids_and_the_module_with_symbolic_shapes() -> None:
 
     program = export.export(jax.jit(packed))(spec, spec, spec, ids_spec)
     rng = rng_for("export", "jax-packed")
-    arrays = [randn(rng, (3, 2, 90, 16)) for _ in range(3)]
-    ids = _packed_ids(3, 90, (5, 44, 45))
-    got = np.asarray(program.call(*(jnp.asarray(x) for x in (*arrays, ids))))
-    want = oracle.attention(*arrays, causal=True, segment_ids=ids)[0]
-    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    for batch, n, cuts in ((1, 1, ()), (3, 90, (5, 44, 45)), (2, 200, (0, 150))):
+        arrays = [randn(rng, (batch, 2, n, 16)) for _ in range(3)]
+        ids = _packed_ids(batch, n, cuts)
+        got = np.asarray(program.call(*(jnp.asarray(x) for x in (*arrays, ids))))
+        want = oracle.attention(*arrays, causal=True, segment_ids=ids)[0]
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
     module = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=jnp.float64, rngs=nnx.Rngs(0))
     graph, state = nnx.split(module)
@@ -211,10 +214,14 @@ def test_jax_export_segment_ids_and_the_module_with_symbolic_shapes() -> None:
     x_spec = jax.ShapeDtypeStruct((b, length, 32), jnp.float64)
     state_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     program = export.export(jax.jit(forward))(state_spec, x_spec)
-    x = jnp.asarray(randn(rng, (2, 61, 32)))
-    np.testing.assert_allclose(
-        np.asarray(program.call(state, x)), np.asarray(module(x, causal=True)), rtol=TOL, atol=TOL
-    )
+    for shape in ((1, 1), (2, 61), (3, 130)):
+        x = jnp.asarray(randn(rng, (*shape, 32)))
+        np.testing.assert_allclose(
+            np.asarray(program.call(state, x)),
+            np.asarray(module(x, causal=True)),
+            rtol=TOL,
+            atol=TOL,
+        )
 
 
 @requires_backend("torch")

@@ -1,8 +1,9 @@
 """ONNX through ndonnx: ``attend`` and the NumPy multi-head module on ``ndx.argument``
 inputs whose batch and lengths are symbolic (None in the array API's shape) build with
 ``ndx.build`` into one ONNX model, which onnxruntime runs at several shapes, none of them
-known when the model was built, equal to the independent float64 oracle; what needs
-the lengths on the host (segment ids, mods, dropout, blocks) is refused with a message."""
+known when the model was built, equal to the independent float64 oracle; so do
+``attend_backward``'s gradients and one array of segment ids; what needs the lengths on
+the host (a pair of segment ids, mods, dropout, blocks) is refused with a message."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from portable_attention import attend, mha, plan
+from portable_attention import attend, attend_backward, mha, plan
 
 import oracle
 from helpers import randn, rng_for
@@ -118,24 +119,130 @@ def test_ndonnx_static_shapes_and_two_dim_inputs() -> None:
     np.testing.assert_allclose(got, oracle.attention(a, b, b, causal=True)[0], rtol=TOL, atol=TOL)
 
 
+#: attend_backward's cases on symbolic dims: (options, Hk, extra inputs).
+BACKWARD: dict[str, tuple[dict[str, Any], int, tuple[str, ...]]] = {
+    "plain": ({}, HQ, ()),
+    "gqa-causal-softcap": ({"causal": True, "softcap": 5.0}, 2, ()),
+    "mqa-window-mask": ({"window": (2, 3)}, 1, ("mask",)),
+    "gqa-upper-left-bias-dlse": ({"causal": "upper_left"}, 2, ("bias", "dlse")),
+    "gqa-causal-sinks": ({"causal": True}, 2, ("sinks",)),
+    # one array of ids (packed self-attention): Lq == Lk, the ids compared with themselves
+    "gqa-causal-segment-ids": ({"causal": True}, 2, ("segment_ids",)),
+    "window-segment-ids": ({"window": (2, 1)}, HQ, ("segment_ids",)),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARD))
+def test_ndonnx_backward_with_symbolic_batch_and_lengths(name: str) -> None:
+    """``attend_backward`` on symbolic dims (the whole score matrix: no blocks of unknown
+    lengths) builds into the same kind of model; onnxruntime's gradients at several
+    shapes equal NumPy's ``attend_backward`` to 1e-12, and at one shape the oracle's
+    finite differences."""
+    options, hk, extras = BACKWARD[name]
+    f64, d = ndx.float64, 8
+    q = ndx.argument(shape=("B", HQ, "Lq", d), dtype=f64)
+    k = ndx.argument(shape=("B", hk, "Lk", d), dtype=f64)
+    v = ndx.argument(shape=("B", hk, "Lk", d), dtype=f64)
+    dout = ndx.argument(shape=("B", HQ, "Lq", d), dtype=f64)
+    inputs = {"q": q, "k": k, "v": v, "dout": dout}
+    symbolic = {
+        "mask": ("B", 1, "Lq", "Lk"),
+        "bias": (1, HQ, "Lq", "Lk"),
+        "dlse": ("B", HQ, "Lq"),
+        "sinks": (HQ,),
+        "segment_ids": ("B", "Lq"),
+    }
+    for extra in extras:
+        dtype = {"mask": ndx.bool, "segment_ids": ndx.int64}.get(extra, f64)
+        inputs[extra] = ndx.argument(shape=symbolic[extra], dtype=dtype)
+    given = {n: x for n, x in inputs.items() if n in ("mask", "bias", "sinks", "segment_ids")}
+    assert plan(q, k, v, **options, **given).path == "portable:dense"
+    out, lse = attend(q, k, v, **options, **given, return_lse=True)
+    grads = attend_backward(dout, q, k, v, out, lse, dlse=inputs.get("dlse"), **options, **given)
+    names = ["out", "dq", "dk", "dv"] + [f"d{n}" for n in ("bias", "sinks") if n in given]
+    wanted = dict(zip(names[1:4], grads[:3], strict=True))
+    wanted.update({n: getattr(grads, n) for n in names[4:]})
+    run = _session(inputs, {"out": out, **wanted})
+    for b, lq, lk in SHAPES:
+        if "segment_ids" in given and lq != lk:
+            continue
+        rng = rng_for("onnx-backward", name, b, lq, lk)
+        feeds = {
+            "q": randn(rng, (b, HQ, lq, d)),
+            "k": randn(rng, (b, hk, lk, d)),
+            "v": randn(rng, (b, hk, lk, d)),
+            "dout": randn(rng, (b, HQ, lq, d)),
+        }
+        for extra in extras:
+            shape = tuple({"B": b, "Lq": lq, "Lk": lk}.get(s, s) for s in symbolic[extra])
+            if extra == "mask":
+                feeds[extra] = rng.random(shape) < 0.7
+            elif extra == "segment_ids":  # sorted: documents of 0 to 4 positions
+                feeds[extra] = np.sort(rng.integers(0, 3, shape), axis=-1)
+            else:
+                feeds[extra] = randn(rng, shape)
+        got = dict(zip(names, run.run(names, feeds), strict=True))
+        arrays = {n: feeds[n] for n in ("mask", "bias", "sinks", "segment_ids") if n in feeds}
+        oracle_out = oracle.attention(feeds["q"], feeds["k"], feeds["v"], **options, **arrays)[0]
+        np.testing.assert_allclose(got["out"], oracle_out, rtol=TOL, atol=TOL)
+        ref_out, ref_lse = attend(
+            feeds["q"], feeds["k"], feeds["v"], **options, **arrays, return_lse=True
+        )
+        ref = attend_backward(
+            feeds["dout"], feeds["q"], feeds["k"], feeds["v"], ref_out, ref_lse,
+            dlse=feeds.get("dlse"), **options, **arrays,
+        )  # fmt: skip
+        want = {"out": ref_out, "dq": ref.dq, "dk": ref.dk, "dv": ref.dv}
+        want.update({n: getattr(ref, n) for n in names[4:]})
+        for what in names:
+            assert got[what].dtype == np.float64 and got[what].shape == want[what].shape, what
+            np.testing.assert_allclose(
+                got[what], want[what], rtol=TOL, atol=TOL, err_msg=f"{what} {b, lq, lk}"
+            )
+        if (b, lq, lk) == ((3, 9, 9) if "segment_ids" in given else (2, 12, 5)):
+            # (Lq > Lk: causal rows with no key among them)
+            fd = oracle.loss_grads_with_bias(
+                feeds["q"], feeds["k"], feeds["v"], feeds["dout"], feeds.get("dlse"),
+                **options, **arrays,
+            )  # fmt: skip
+            for what, ref_fd in fd.items():
+                np.testing.assert_allclose(got[f"d{what}"], ref_fd, rtol=1e-6, atol=1e-7)
+
+
+def test_ndonnx_backward_refuses_dropout_on_symbolic_dims() -> None:
+    q = ndx.argument(shape=("B", HQ, "L", D), dtype=ndx.float64)
+    out, lse = attend(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match=r"`dropout` builds arrays of the call's lengths"):
+        attend_backward(q, q, q, q, out, lse, dropout=0.1, rng=np.random.default_rng(0))
+
+
 def _mod(b: Any, h: Any, i: Any, j: Any) -> Any:
     return i >= j
+
+
+def _score(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+    return s - 0.1 * (i - j)
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"segment_ids": "ids"}, r"`segment_ids` builds arrays of the call's lengths"),
+        (
+            {"segment_ids": "pair"},
+            r"`segment_ids` builds arrays of the call's lengths.*one array of ids.*needs none",
+        ),
+        ({"score_mod": _score}, r"`score_mod` builds arrays of the call's lengths.*`bias=`"),
         ({"mask_mod": _mod}, r"`mask_mod` builds arrays of the call's lengths.*`mask=`"),
         ({"dropout": 0.1, "rng": np.random.default_rng(0)}, r"`dropout` builds arrays"),
         ({"chunk_size": 8}, r"`chunk_size=8` walks blocks of static lengths"),
     ],
-    ids=["segment_ids", "mask_mod", "dropout", "chunk_size"],
+    ids=["segment_ids-pair", "score_mod", "mask_mod", "dropout", "chunk_size"],
 )
 def test_ndonnx_unknown_lengths_refuse_what_needs_them(options: dict, message: str) -> None:
     q = ndx.argument(shape=("B", HQ, "L", D), dtype=ndx.float32)
-    if options.get("segment_ids") == "ids":
-        options = {"segment_ids": ndx.argument(shape=("B", "L"), dtype=ndx.int64)}
+    if options.get("segment_ids") == "pair":
+        ids = ndx.argument(shape=("B", "L"), dtype=ndx.int64)
+        options = {"segment_ids": (ids, ids)}
     with pytest.raises(ValueError, match=message):
         attend(q, q, q, **options)
 
