@@ -21,18 +21,18 @@ from portable_attention._block_math import BlockMath
 class InPlaceMath(BlockMath):
     """The blockwise path's steps with NumPy's ufuncs writing into their first argument
     (see :mod:`portable_attention._block_math` for what a step may overwrite). A step
-    whose other operand would broadcast the block to a larger shape, or promote it to a
-    wider dtype, or whose first argument is read-only, takes the functional form."""
+    whose other operand would broadcast the block to a larger shape or promote it to a
+    wider dtype takes the functional form."""
 
     def __init__(self, xp: Any) -> None:
         super().__init__(xp)
         self._buffers: dict[str, Any] = {}
 
     def tanh(self, s: Any) -> Any:
-        return np.tanh(s, out=s) if _writable(s) else super().tanh(s)
+        return np.tanh(s, out=s)
 
     def scaled(self, s: Any, factor: float) -> Any:
-        return np.multiply(s, factor, out=s) if _writable(s) else super().scaled(s, factor)
+        return np.multiply(s, factor, out=s)
 
     def product(self, a: Any, b: Any, *, slot: str | None = None) -> Any:
         if slot is None or a.shape[:-2] != b.shape[:-2] or a.dtype != b.dtype:
@@ -50,7 +50,7 @@ class InPlaceMath(BlockMath):
         return buffer
 
     def exp(self, s: Any) -> Any:
-        return np.exp(s, out=s) if _writable(s) else super().exp(s)
+        return np.exp(s, out=s)
 
     def exp_shifted(self, s: Any, shift: Any) -> Any:
         if not _fits(s, shift):
@@ -84,22 +84,16 @@ class InPlaceMath(BlockMath):
         return np.multiply(a, b, out=a) if _fits(a, b) else a * b
 
     def softcap_grad(self, ds: Any, t: Any) -> Any:
-        if not (_fits(ds, t) and _writable(t)):
+        if not _fits(ds, t):
             return super().softcap_grad(ds, t)
         np.multiply(t, t, out=t)
         np.subtract(1.0, t, out=t)
         return np.multiply(ds, t, out=ds)
 
 
-def _writable(x: Any) -> bool:
-    return isinstance(x, np.ndarray) and x.flags.writeable
-
-
 def _fits(block: Any, x: Any) -> bool:
-    """Whether ``block`` may take ``block op x`` in place: writable, and ``x`` (an array or
-    a scalar) neither broadcasts it to a larger shape nor promotes its dtype."""
-    if not _writable(block):
-        return False
+    """Whether ``block`` may take ``block op x`` in place: ``x`` (an array or a scalar)
+    neither broadcasts it to a larger shape nor promotes its dtype."""
     shape = getattr(x, "shape", ())
     if shape != block.shape:
         pairs = zip(reversed(shape), reversed(block.shape), strict=False)
