@@ -713,6 +713,22 @@ def test_ulysses_dropout_draws_per_shard() -> None:
     assert not np.array_equal(per_head[:, 0], per_head[:, 2])
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_sharded_attend_moves_arrays_committed_to_one_device(kind: str, method: str) -> None:
+    """Global arrays committed to one device (``jax.device_put(x, jax.devices()[3])``),
+    another than the mesh's first, go onto the mesh: the result equals single-device
+    ``attend`` and comes back sharded over the mesh, on Explicit and Auto axes."""
+    mesh = mesh_of(4, kind)
+    q, k, v, _, _ = _inputs(("committed", kind, method), jnp.float64, 4, 4, 32, 32)
+    committed = [jax.device_put(x, jax.devices()[3]) for x in (q, k, v)]
+    out = parallel.sharded_attend(*committed, mesh=mesh, axis="s", method=method, causal=True)
+    assert out.sharding.device_set == set(mesh.devices.flat)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(pa.attend(q, k, v, causal=True)), rtol=1e-12, atol=1e-12
+    )
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 

@@ -503,9 +503,15 @@ def permute_sharded(x: Any, size: int, layout: str, axis: int, *, inverse: bool)
 
 
 def _place(x: Any, mesh: Any, spec: P) -> Any:
-    """``x`` sharded as ``spec`` over ``mesh``: on Explicit axes shard_map takes inputs
-    only as they are sharded, so ``jax.reshard`` moves them (under jit too); on Auto
-    axes shard_map moves them itself."""
+    """``x`` sharded as ``spec`` over ``mesh``. A concrete array on other devices than the
+    mesh's (one committed to a device: ``jax.device_put(x, jax.devices()[0])``) cannot
+    enter a computation over the mesh: ``jax.device_put`` moves it. Otherwise, on
+    Explicit axes shard_map takes inputs only as they are sharded, so ``jax.reshard``
+    moves them (under jit too); on Auto axes shard_map moves them itself."""
+    if not isinstance(x, jax.core.Tracer):
+        devices = getattr(getattr(x, "sharding", None), "device_set", None)
+        if devices is not None and devices != set(mesh.devices.flat):
+            return jax.device_put(x, NamedSharding(mesh, spec))
     explicit = [
         name
         for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
