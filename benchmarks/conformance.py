@@ -653,7 +653,7 @@ class KernelResult:
 
 
 #: Cases whose agreement under a declared upper-left alignment is that convention.
-ALIGNED = ("causal_lq_gt_lk", "causal_lq_lt_lk", "window")
+ALIGNED = ("causal_lq_gt_lk", "causal_lq_lt_lk", "window", "window_causal")
 
 
 def classify(kernel: Kernel, keywords: Mapping[str, Any], name: str, verdict: str) -> str:
@@ -663,7 +663,8 @@ def classify(kernel: Kernel, keywords: Mapping[str, Any], name: str, verdict: st
         return "skipped"
     if verdict == "ok":
         upper = keywords.get("causal_alignment") == UPPER_LEFT and keywords.get("causal")
-        if name in ALIGNED and upper and not (name == "window" and not keywords.get("window")):
+        windowed = name.startswith("window")
+        if name in ALIGNED and upper and not (windowed and not keywords.get("window")):
             return "ok (upper-left)"
         return "ok"
     return "convention" if name in kernel.documented else verdict.upper()

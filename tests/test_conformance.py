@@ -19,7 +19,9 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import pytest
 from portable_attention.testing import CASES
 
@@ -94,7 +96,15 @@ def test_cells_name_conventions_not_bugs(conformance: ModuleType) -> None:
     assert classify(jax_nn, keywords, "window", "skipped") == "skipped"
 
 
-ATTEND_CASES = ["mask", "causal_lq_gt_lk", "padding", "window", "sinks", "grad_empty_rows"]
+ATTEND_CASES = [
+    "mask",
+    "causal_lq_gt_lk",
+    "padding",
+    "window",
+    "window_causal",
+    "sinks",
+    "grad_empty_rows",
+]
 
 
 @pytest.mark.parametrize(
@@ -136,3 +146,25 @@ def test_jax_nn_documented_conventions(conformance: ModuleType) -> None:
         "gqa": "ok",
         "mqa": "ok",
     }
+
+
+@requires_backend("jax")
+def test_jax_lax_map_over_the_batch_is_bitwise_batch_invariant() -> None:
+    """docs/contract.md's recipe: attend under ``jax.lax.map`` over the batch gives a
+    sequence the same bits in a batch of 4 as in a batch of 1, on the auto and the
+    chunked path (where the batched call does not, on the CPU)."""
+    import jax
+    import jax.numpy as jnp
+    from portable_attention import attend
+
+    rng = np.random.default_rng(27)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 2, 256, 32)), jnp.float32) for _ in range(3))
+    for options in ({}, {"chunk_size": 64}):
+
+        def one(qkv: Any, options: dict[str, Any] = options) -> Any:
+            return attend(*(x[None] for x in qkv), causal=True, **options)[0]
+
+        mapped = jax.jit(lambda q, k, v, one=one: jax.lax.map(one, (q, k, v)))
+        batch = np.asarray(mapped(q, k, v))[2]
+        alone = np.asarray(mapped(q[2:3], k[2:3], v[2:3]))[0]
+        np.testing.assert_array_equal(batch, alone, err_msg=str(options))

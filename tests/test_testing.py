@@ -1280,7 +1280,7 @@ def test_check_attention_flags_upper_left_causal_passed_as_lower_right() -> None
     assert report["causal"].ok and report["empty_rows"].ok
     text = str(report)
     assert "  causal_lq_gt_lk   DEPARTS  " in text
-    assert text.splitlines()[-1] == "3 of 16 cases depart (4 skipped)."
+    assert text.splitlines()[-1] == "3 of 16 cases depart (5 skipped)."
     # Declared as what it is, it passes.
     assert check_attention(upper_left_as_lower_right, causal_alignment="upper_left").ok
 
@@ -1315,6 +1315,17 @@ def test_check_attention_window_and_sinks_cases_name_the_slip() -> None:
 
     report = check_attention(swapped, window="window", cases=["window"])
     assert report["window"].details[-1] == "it matches left and right swapped: window=(1, 3)"
+
+    def causal_dropped(q: Any, k: Any, v: Any, *, causal: bool = False, **kw: Any) -> Any:
+        return attend(q, k, v, causal=causal and kw.get("window") is None, **kw)
+
+    report = check_attention(causal_dropped, window="window", cases=["window_causal", "causal"])
+    assert report["causal"].ok
+    assert report["window_causal"].verdict == "departs"
+    assert report["window_causal"].details[-1] == (
+        "it matches causal ignored where a window is given (window=(3, 2) alone)"
+    )
+    assert check_attention(attend, window="window", cases=["window_causal"]).ok
 
     def no_sinks(q: Any, k: Any, v: Any, *, sinks: Any = None, **kw: Any) -> Any:
         return attend(q, k, v, **kw)

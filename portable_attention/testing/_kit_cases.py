@@ -181,6 +181,26 @@ def _case_window(fn: Callable[..., Any], conv: Conventions) -> Verdict:
     return judged_call(inputs, fn, conv, conv.dtype, alternatives)[:2]
 
 
+def _case_window_causal(fn: Callable[..., Any], conv: Conventions) -> Verdict:
+    """``causal`` with ``window=(3, 2)``, ``Lq = 6 < Lk = 10``: both at once, causal caps
+    the window's right side at 0 (3 keys left and the aligned one)."""
+    q, k, v = random_qkv(np.random.default_rng([SEED, 13]), conv.dtype, 2, 2, 6, 10)
+    inputs = Inputs(q, k, v, causal=True, window=(3, 2))
+    other = "upper_left" if conv.causal_alignment == "lower_right" else "lower_right"
+    alternatives = [
+        (
+            "causal ignored where a window is given (window=(3, 2) alone)",
+            reference_of(Inputs(q, k, v, window=(3, 2)), conv),
+        ),
+        (
+            "the window ignored where causal is given",
+            reference_of(Inputs(q, k, v, causal=True), conv),
+        ),
+        (f"both aligned {other} (causal_alignment={other!r})", reference_of(inputs, conv, other)),
+    ]
+    return judged_call(inputs, fn, conv, conv.dtype, alternatives)[:2]
+
+
 def _head_dims(dk: int, dv: int) -> Callable[..., Verdict]:
     def run(fn: Callable[..., Any], conv: Conventions) -> Verdict:
         rng = np.random.default_rng([SEED, 10, dk, dv])
@@ -373,6 +393,8 @@ CASES: Mapping[str, str] = {
     "have no key (out 0)",
     "window": "window=(3, 1) with Lq = 6 < Lk = 10: 3 keys left, 1 right, inclusive, aligned "
     "as causal is (skipped without `window=`)",
+    "window_causal": "causal with window=(3, 2), Lq = 6 < Lk = 10: the window's right side "
+    "capped at 0 by causal (skipped without both `causal=` and `window=`)",
     "head_dim_256": "Dk = Dv = 256 (Gemma)",
     "head_dim_512": "Dk = Dv = 512",
     "dv_ne_dk": "Dk = 192, Dv = 128 (DeepSeek MLA): out [B, H, Lq, Dv], scale 1/sqrt(Dk)",
@@ -401,6 +423,7 @@ RUNNERS: dict[str, Callable[..., Verdict]] = {
     "decode": _case_decode,
     "padding": _case_padding,
     "window": _case_window,
+    "window_causal": _case_window_causal,
     "head_dim_256": _head_dims(256, 256),
     "head_dim_512": _head_dims(512, 512),
     "dv_ne_dk": _head_dims(192, 128),
