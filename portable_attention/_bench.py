@@ -15,6 +15,9 @@ the other down; untimed calls (``WARM_S``) follow each pause.
 ``--memory`` runs NumPy at ``B=1, H=8, L=16384, D=64`` float32 in a subprocess and
 reports its peak RSS (``VmHWM``: ``ru_maxrss`` would carry the parent's peak over exec).
 
+``--fast-paths`` runs only torch's rows of call classes SDPA cannot take whole (a window,
+packed sequences, a score_mod) at long context: :mod:`portable_attention._bench_paths`.
+
 ``--training`` adds the training rows (:func:`training_rows`): forward + backward at long
 context, each measurement in a fresh subprocess (its peak RSS is that call's), ours and the
 anchor's subprocesses alternating so that drift in the machine's speed hits both alike:
@@ -524,8 +527,25 @@ def main(argv: list[str] | None = None) -> int:
         help="also forward + backward at long context, peak RSS and compile (minutes)",
     )
     parser.add_argument("--training-only", action="store_true", help="only the training rows")
+    parser.add_argument(
+        "--fast-paths",
+        action="store_true",
+        help="only torch's window, packed and score_mod rows at L=4096 and 8192 (minutes)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.fast_paths:
+        from portable_attention import _bench_paths
+
+        if importlib.util.find_spec("torch") is None:
+            parser.error("--fast-paths measures torch's paths: install torch")
+        print("fast-path rows: measuring (minutes) ...", file=sys.stderr)
+        table = _bench_paths.rows(args.budget)
+        _bench_paths.print_rows(table)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"fast_paths": table}, fh, indent=2)
+        return 0
     rows: list[dict[str, Any]] = []
     installed = []
     for backend in args.backends.split(","):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from portable_attention import _bench
 
 import oracle
-from conftest import BACKEND_NAMES
+from conftest import BACKEND_NAMES, requires_backend
 
 
 def test_seed_formula_is_plain_attention() -> None:
@@ -119,3 +121,29 @@ def test_training_rows_measure_each_call_in_its_own_process(
         torch_row = next(r for r in rows if r["backend"] == "torch")
         assert torch_row["path"] == "portable:dense" and torch_row["anchor"] == "SDPA causal"
     assert "speed = anchor time / our time" in capsys.readouterr().out
+
+
+@requires_backend("torch")
+def test_fast_path_rows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--fast-paths``: every call class, forward and forward + backward, each package
+    path timed or saying why it cannot run, auto's plan named, both anchors present (Flex's
+    backward marked as missing on the CPU)."""
+    from portable_attention import _bench_paths
+
+    monkeypatch.setattr(_bench_paths, "LENGTHS", (256,))
+    monkeypatch.setattr(_bench_paths, "WINDOW", 31)
+    out = tmp_path / "paths.json"
+    assert _bench.main(["--fast-paths", "--budget", "0.01", "--json", str(out)]) == 0
+    table = json.loads(out.read_text())["fast_paths"]
+    assert [(r["call"].split(" ")[0], r["pass"]) for r in table] == [
+        (c, p) for c in ("window", "packed,", "score_mod") for p in ("fwd", "fwd+bwd")
+    ]
+    for r in table:
+        assert set(r["paths"]) == set(_bench_paths.PATHS)
+        assert r["auto_ms"] > 0 and r["best_ms"] <= r["auto_ms"]
+        assert r["anchors_ms"]["SDPA causal"] > 0
+        flex = r["anchors_ms"]["Flex compiled"]
+        assert (flex > 0) if r["pass"] == "fwd" else math.isnan(flex)
+    assert "auto/fastest" in capsys.readouterr().out

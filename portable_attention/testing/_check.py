@@ -164,8 +164,8 @@ def check_attention(
     ``[B, 1, 1, Lk]`` key-padding mask, one sequence all padding), ``window``
     (``(left, right)`` counts, inclusive, aligned as ``causal_alignment`` says, with
     ``Lq != Lk``; needs ``window``), ``window_causal`` (``causal`` and a window together:
-    causal caps the window's right side; needs both), ``head_dim_256``, ``head_dim_512``, ``dv_ne_dk``
-    (``Dk = 192``, ``Dv = 128``), ``sinks`` (needs ``sinks``), ``grad_empty_rows`` and
+    causal caps the window's right side; needs both), ``head_dim_256``, ``head_dim_512``,
+    ``dv_ne_dk`` (``Dk = 192``, ``Dv = 128``), ``sinks`` (needs ``sinks``), ``grad_empty_rows`` and
     ``grad_sinks`` (gradients through torch's or JAX's autodiff against the reference's
     float64 gradients; skipped for other backends), ``batch_invariance`` (one sequence
     alone against the same sequence in a batch of 4: within tolerance, and the notes say
