@@ -9,7 +9,7 @@ from portable_attention import _blockwise, _core, _dense_backward, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._options import Options, options
 from portable_attention._plan import BLOCKWISE, DENSE, Plan, choose
-from portable_attention._spec import Call, validate_call
+from portable_attention._spec import Call, fused_unavailable_error, validate_call
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Prepared
 
@@ -374,7 +374,14 @@ def plan(q: Any, k: Any, v: Any, **kwargs: Any) -> Plan:
         raise TypeError(msg)
     call = validate_call(q, k, v, options(**kwargs), **arrays)
     _keep_mask(call, arrays.get("rng"))
-    return choose(call)
+    chosen = choose(call)
+    for kernel in adapter(call.backend).fused_kernels:
+        why = kernel.hands_over(call, q, k, v) if kernel.path == chosen.path else None
+        if why is not None and call.implementation == "fused":
+            raise fused_unavailable_error(why)
+        if why is not None:
+            return Plan(BLOCKWISE, f"{chosen.reason}; but {why}: the blockwise path runs")
+    return chosen
 
 
 #: attend's keywords that are not options: arrays, the rng and the functions.

@@ -139,8 +139,8 @@ def test_flex_matches_the_oracle(case: tuple) -> None:
     _, qs, ks, vs, options, reference = case
     q, k, v = _tensors([qs, ks, vs], qs.__repr__())
     before = [x.clone() for x in (q, k, v)]
-    assert plan(q, k, v, implementation="fused", **options).path == FLEX
-    with torch.no_grad():
+    with torch.no_grad():  # (with grad mode on, a score_mod needs a backward: not Flex's)
+        assert plan(q, k, v, implementation="fused", **options).path == FLEX
         out = attend(q, k, v, implementation="fused", **options)
     assert out.dtype == torch.float32
     assert out.shape == (*qs[:-1], vs[-1])
@@ -192,9 +192,13 @@ def test_training_on_the_cpu_runs_the_blockwise_backward() -> None:
     qs = (1, 2, 40, 8)
     q, k, v = (x.double().requires_grad_(True) for x in _tensors([qs] * 3, "grad"))
     ids_t = torch.tensor(np.repeat([0, 1, 2], [10, 25, 5]))
-    # The plan takes Flex for this call class (ask for it: the call is small) ...
+    # The plan takes Flex for this call class without autograd (ask for it: the call is
+    # small); with it, plan() and attend() both refuse "fused" ...
     qf, kf, vf = (x.detach().float().requires_grad_(True) for x in (q, k, v))
-    assert plan(qf, kf, vf, segment_ids=ids_t, implementation="fused").path == FLEX
+    with torch.no_grad():
+        assert plan(qf, kf, vf, segment_ids=ids_t, implementation="fused").path == FLEX
+    with pytest.raises(ValueError, match="no CPU backward"):
+        plan(qf, kf, vf, segment_ids=ids_t, implementation="fused")
     with pytest.raises(ValueError, match="no backward on the CPU"):
         attend(qf, kf, vf, segment_ids=ids_t, implementation="fused")
     # ... and auto, where it takes Flex, runs blockwise for gradients: same as the oracle.
@@ -415,3 +419,21 @@ def test_a_compiled_caller_takes_the_path_before_flex() -> None:
         torch._dynamo.reset()  # a fresh trace, not one cached by an earlier test
         compiled = torch.compile(call, fullgraph=True)(q, k, v)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+@needs_flex
+def test_plan_says_where_autograd_hands_flex_calls_to_the_blockwise_path() -> None:
+    """plan() names the path attend runs: with tensors that require grad on the CPU, the
+    blockwise path (Flex has no CPU backward), Flex under torch.no_grad();
+    implementation="fused" raises there, as attend does."""
+    q = torch.randn(1, 8, 4096, 64, requires_grad=True)
+    ids = (torch.arange(4096) // 512)[None]
+    training = plan(q, q, q, causal=True, segment_ids=ids)
+    assert training.path == "portable:blockwise"
+    assert "no CPU backward" in training.reason
+    with torch.no_grad():
+        assert plan(q, q, q, causal=True, segment_ids=ids).path == "fused:torch-flex"
+    with pytest.raises(ValueError, match="no CPU backward"):
+        plan(q, q, q, causal=True, segment_ids=ids, implementation="fused")
+    with pytest.raises(ValueError, match="no backward on the CPU"):
+        attend(q, q, q, causal=True, segment_ids=ids, implementation="fused")

@@ -88,6 +88,12 @@ class Kernel(ABC):
         """The plan's reason where this kernel runs ``call`` (by default :attr:`why`)."""
         return self.why
 
+    def hands_over(self, call: Call, q: Any, k: Any, v: Any) -> str | None:
+        """Why this kernel, planned for ``call``, gives these arrays to the blockwise path
+        when it runs (what the shapes cannot tell: autograd's state); None: it runs them.
+        ``plan()`` reports it."""
+        return None
+
     @abstractmethod
     def run(
         self,

@@ -612,6 +612,18 @@ class FlexAttention(Kernel):
     def taken(self, call: _spec.Call) -> str:
         return taken_reason(call)
 
+    def hands_over(self, call: _spec.Call, q: Any, k: Any, v: Any) -> str | None:
+        if torch.compiler.is_compiling():
+            return "FlexAttention is taken for eager calls only, not under torch.compile"
+        if _FAILED:
+            return f"FlexAttention failed to compile here earlier ({_FAILED[0]})"
+        if _cpu(call) and _needs_grad(call, q, k, v):
+            return (
+                "FlexAttention has no CPU backward (torch 2.13) and autograd needs one here "
+                "(in torch.no_grad() FlexAttention runs)"
+            )
+        return None
+
     def run(
         self,
         call: _spec.Call,
