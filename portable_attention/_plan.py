@@ -130,7 +130,7 @@ def forget() -> None:
 def _decide(call: Call) -> Plan:
     implementation = call.implementation
     if call.chunk_size is not None:  # before any kernel: every backend would decline
-        if call.symbolic_lengths:
+        if call.symbolic_lengths or call.unknown_dims:
             raise symbolic_chunks_error(call)
         return Plan(
             BLOCKWISE,
@@ -175,9 +175,9 @@ def choose(call: Call) -> Plan:
 
 def symbolic_chunks_error(call: Call) -> ValueError:
     msg = (
-        f"`chunk_size={call.chunk_size}` walks blocks of static lengths, but this call's "
-        f"lengths are symbolic (q {tuple(call.q_shape)}, k {tuple(call.k_shape)}: an export "
-        "with dynamic shapes); leave chunk_size out (the dense path serves every length) "
-        "or export with static lengths."
+        f"`chunk_size={call.chunk_size}` walks blocks of static shapes, but this call's "
+        f"batch or lengths are symbolic (q {tuple(call.q_shape)}, k {tuple(call.k_shape)}: "
+        "an export with dynamic shapes); leave chunk_size out (the dense path serves every "
+        "size) or export with static shapes."
     )
     return ValueError(msg)

@@ -318,7 +318,8 @@ def _check_unknown_dims(
     if not any(d is None for d in (*qs, *ks, *vs)):
         return
     shapes = f"q {qs}, k {ks}, v {vs}"
-    fixed = [qs[-1], ks[-1], vs[-1]] + ([qs[-3], ks[-3], vs[-3]] if len(qs) >= 3 else [])
+    heads = [s[-3] for s in (qs, ks, vs) if len(s) >= 3]  # (other ranks: _check_shapes)
+    fixed = [qs[-1], ks[-1], vs[-1], *heads]
     if any(d is None for d in fixed):
         msg = (
             f"the heads (axis -3) and feature sizes (axis -1) of `q`, `k` and `v` must be "

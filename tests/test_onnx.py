@@ -234,7 +234,7 @@ def _score(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
         ({"score_mod": _score}, r"`score_mod` builds arrays of the call's lengths.*`bias=`"),
         ({"mask_mod": _mod}, r"`mask_mod` builds arrays of the call's lengths.*`mask=`"),
         ({"dropout": 0.1, "rng": np.random.default_rng(0)}, r"`dropout` builds arrays"),
-        ({"chunk_size": 8}, r"`chunk_size=8` walks blocks of static lengths"),
+        ({"chunk_size": 8}, r"`chunk_size=8` walks blocks of static shapes"),
     ],
     ids=["segment_ids-pair", "score_mod", "mask_mod", "dropout", "chunk_size"],
 )
@@ -251,3 +251,16 @@ def test_ndonnx_unknown_heads_are_refused() -> None:
     q = ndx.argument(shape=("B", "H", "L", D), dtype=ndx.float32)
     with pytest.raises(ValueError, match=r"heads \(axis -3\) and feature sizes .* must be known"):
         attend(q, q, q)
+
+
+def test_ndonnx_symbolic_batch_refuses_chunk_size_and_ranks_are_checked() -> None:
+    """A symbolic batch with fixed lengths: ``chunk_size`` (whose blocks need static
+    shapes) is refused by attend and plan alike; q and k of different ranks get the rank
+    error, not an IndexError."""
+    q = ndx.argument(shape=("B", HQ, 16, D), dtype=ndx.float64)
+    for call in (attend, plan):
+        with pytest.raises(ValueError, match=r"`chunk_size=8` walks blocks of static shapes"):
+            call(q, q, q, chunk_size=8)
+    k2 = ndx.argument(shape=("L", D), dtype=ndx.float64)
+    with pytest.raises(ValueError, match="same number of dims"):
+        attend(ndx.argument(shape=("B", HQ, "L", D), dtype=ndx.float64), k2, k2)

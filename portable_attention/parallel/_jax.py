@@ -508,7 +508,7 @@ def _place(x: Any, mesh: Any, spec: P) -> Any:
     enter a computation over the mesh: ``jax.device_put`` moves it. Otherwise, on
     Explicit axes shard_map takes inputs only as they are sharded, so ``jax.reshard``
     moves them (under jit too); on Auto axes shard_map moves them itself."""
-    if not isinstance(x, jax.core.Tracer):
+    if not isinstance(x, jax.core.Tracer) and isinstance(mesh, jax.sharding.Mesh):
         devices = getattr(getattr(x, "sharding", None), "device_set", None)
         if devices is not None and devices != set(mesh.devices.flat):
             return jax.device_put(x, NamedSharding(mesh, spec))
