@@ -15,8 +15,10 @@ the other down; untimed calls (``WARM_S``) follow each pause.
 ``--memory`` runs NumPy at ``B=1, H=8, L=16384, D=64`` float32 in a subprocess and
 reports its peak RSS (``VmHWM``: ``ru_maxrss`` would carry the parent's peak over exec).
 
-``--fast-paths`` runs only torch's rows of call classes SDPA cannot take whole (a window,
-packed sequences, a score_mod) at long context: :mod:`portable_attention._bench_paths`.
+``--fast-paths`` runs only the rows of call classes torch's SDPA cannot take whole (a
+window, packed sequences, a score_mod) at long context, for each of ``--backends``, at
+``--lengths`` for ``--passes`` (``fwd``, ``fwd+bwd``) in ``--rounds`` interleaved rounds:
+:mod:`portable_attention._bench_paths`.
 
 ``--training`` adds the training rows (:func:`training_rows`): forward + backward at long
 context, each measurement in a fresh subprocess (its peak RSS is that call's), ours and the
@@ -530,22 +532,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fast-paths",
         action="store_true",
-        help="only torch's window, packed and score_mod rows at L=4096 and 8192 (minutes)",
+        help="only the window, packed and score_mod rows of --backends at long context, "
+        "every package path against the framework's causal kernel and Flex (minutes)",
+    )
+    parser.add_argument(
+        "--lengths", help="with --fast-paths: comma-separated lengths (default 4096,8192)"
+    )
+    parser.add_argument(
+        "--passes", default="fwd,fwd+bwd", help="with --fast-paths: fwd, fwd+bwd or both"
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="with --fast-paths: timed rounds per row (default 3)"
     )
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if args.fast_paths:
-        from portable_attention import _bench_paths
-
-        if importlib.util.find_spec("torch") is None:
-            parser.error("--fast-paths measures torch's paths: install torch")
-        print("fast-path rows: measuring (minutes) ...", file=sys.stderr)
-        table = _bench_paths.rows(args.budget)
-        _bench_paths.print_rows(table)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"fast_paths": table}, fh, indent=2)
-        return 0
+        return _fast_paths(parser, args)
     rows: list[dict[str, Any]] = []
     installed = []
     for backend in args.backends.split(","):
@@ -576,6 +578,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
+    return 0
+
+
+def _fast_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--fast-paths``: :mod:`portable_attention._bench_paths`' rows of the installed
+    ``--backends``, alone."""
+    from portable_attention import _bench_paths
+
+    backends = []
+    for backend in args.backends.split(","):
+        if backend not in _bench_paths.BACKENDS:
+            parser.error(f"unknown backend {backend!r}; choose from {', '.join(BENCHES)}")
+        if importlib.util.find_spec(backend) is None:
+            print(f"{backend}: not installed, skipped", file=sys.stderr)
+        else:
+            backends.append(backend)
+    passes = tuple(args.passes.split(","))
+    if not set(passes) <= set(_bench_paths.PASSES):
+        parser.error(f"--passes takes {', '.join(_bench_paths.PASSES)}, got {args.passes!r}")
+    lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
+    print("fast-path rows: measuring (minutes) ...", file=sys.stderr)
+    table = _bench_paths.rows(tuple(backends), lengths, passes, args.rounds)
+    _bench_paths.print_rows(table)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"fast_paths": table}, fh, indent=2)
     return 0
 
 

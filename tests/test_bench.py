@@ -123,27 +123,63 @@ def test_training_rows_measure_each_call_in_its_own_process(
     assert "speed = anchor time / our time" in capsys.readouterr().out
 
 
-@requires_backend("torch")
 def test_fast_path_rows(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--fast-paths``: every call class, forward and forward + backward, each package
-    path timed or saying why it cannot run, auto's plan named, both anchors present (Flex's
-    backward marked as missing on the CPU)."""
-    from portable_attention import _bench_paths
+    """``--fast-paths`` at a tiny size (nothing compiled: Flex switched off): every call
+    class of each backend, forward and forward + backward (NumPy forward only), each package
+    path timed or saying why it cannot run, auto's path named, the backend's anchors timed
+    (Flex's missing where the package could not use it)."""
+    from portable_attention import _bench_paths, _plan
 
-    monkeypatch.setattr(_bench_paths, "LENGTHS", (256,))
+    backends = [b for b in ("torch", "jax", "numpy") if b in BACKEND_NAMES] or ["numpy"]
     monkeypatch.setattr(_bench_paths, "WINDOW", 31)
+    monkeypatch.setenv("PORTABLE_ATTENTION_FLEX", "0")
+    _plan.forget()  # plans are cached by the call: none made with Flex on may be reused
     out = tmp_path / "paths.json"
-    assert _bench.main(["--fast-paths", "--budget", "0.01", "--json", str(out)]) == 0
+    argv = ["--fast-paths", "--backends", ",".join(backends), "--lengths", "128", "--rounds", "1"]
+    try:
+        assert _bench.main([*argv, "--json", str(out)]) == 0
+    finally:
+        monkeypatch.delenv("PORTABLE_ATTENTION_FLEX")
+        _plan.forget()
     table = json.loads(out.read_text())["fast_paths"]
-    assert [(r["call"].split(" ")[0], r["pass"]) for r in table] == [
-        (c, p) for c in ("window", "packed,", "score_mod") for p in ("fwd", "fwd+bwd")
+    expected = [
+        (b, c, p)
+        for b in backends
+        for c in ("window", "packed,", "score_mod")
+        for p in (("fwd",) if b == "numpy" else ("fwd", "fwd+bwd"))
     ]
+    assert [(r["backend"], r["call"].split(" ")[0], r["pass"]) for r in table] == expected
     for r in table:
+        assert r["length"] == 128
         assert set(r["paths"]) == set(_bench_paths.PATHS)
         assert r["auto_ms"] > 0 and r["best_ms"] <= r["auto_ms"]
-        assert r["anchors_ms"]["SDPA causal"] > 0
+        assert r["auto_path"] == r["paths"]["auto"]["path"] and ":" in r["auto_path"]
+        assert tuple(r["anchors_ms"]) == _bench_paths.ANCHORS[r["backend"]]
+        for name, ms in r["anchors_ms"].items():
+            assert math.isnan(ms) if name == "Flex compiled" else ms > 0
+        for label, cell in r["paths"].items():  # timed, or refused with the reason
+            assert cell["path"].startswith("n/a: ") == math.isnan(cell["ms"]), label
+    assert "auto/fst" in capsys.readouterr().out
+
+
+@requires_backend("torch")
+@pytest.mark.compile
+def test_fast_path_rows_time_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Flex available, its compiled anchor is timed forward (no CPU backward: NaN
+    for forward + backward), and ``fused`` runs Flex for the calls SDPA cannot take."""
+    from portable_attention import _bench_paths
+    from portable_attention.backends import torch_flex
+
+    if torch_flex.unavailable("cpu") is not None:
+        pytest.skip(f"Flex: {torch_flex.unavailable('cpu')}")
+    monkeypatch.setattr(_bench_paths, "WINDOW", 31)
+    table = _bench_paths.rows(("torch",), (256,), _bench_paths.PASSES, 1)
+    for r in table:
         flex = r["anchors_ms"]["Flex compiled"]
         assert (flex > 0) if r["pass"] == "fwd" else math.isnan(flex)
-    assert "auto/fastest" in capsys.readouterr().out
+        if r["pass"] == "fwd" and not r["call"].startswith("window"):
+            assert r["paths"]["fused"]["path"] == "fused:torch-flex"
+        if r["pass"] == "fwd+bwd" and not r["call"].startswith("window"):
+            assert "no CPU backward" in r["paths"]["fused"]["path"]
