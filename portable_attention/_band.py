@@ -44,6 +44,22 @@ def distances(rows: tuple[int, int], cols: tuple[int, int], offset: int) -> tupl
     return cols[0] - (rows[1] - 1) - offset, (cols[1] - 1) - rows[0] - offset
 
 
+def block_empty(
+    rows: tuple[int, int], cols: tuple[int, int], offset: int, left: int | None, right: int | None
+) -> bool:
+    """Whether the band ``(left, right)`` keeps no score of the block ``rows x cols``."""
+    nearest, farthest = distances(rows, cols, offset)
+    return (left is not None and farthest < -left) or (right is not None and nearest > right)
+
+
+def block_full(
+    rows: tuple[int, int], cols: tuple[int, int], offset: int, left: int | None, right: int | None
+) -> bool:
+    """Whether the band ``(left, right)`` keeps every score of the block ``rows x cols``."""
+    nearest, farthest = distances(rows, cols, offset)
+    return (left is None or nearest >= -left) and (right is None or farthest <= right)
+
+
 def widest(lq: Any, lk: Any) -> int:
     """A side no distance on the ``[Lq, Lk]`` grid exceeds, ``Lq + Lk``: a larger side keeps
     what an unbounded one keeps, and clamped to it, it cannot overflow (or wrap in) an

@@ -219,7 +219,7 @@ def band_mask(
     they keep every score (:func:`band_keeps_all`)."""
     if band_keeps_all(call):
         return None
-    if rows is not None and cols is not None and _block_is_full(call, rows, cols):
+    if rows is not None and cols is not None and block_is_full(call, rows, cols):
         return None  # the block lies inside the band: only blocks on its edges need a mask
     left, right = window_sides(call)
     return _masks.band(
@@ -299,19 +299,16 @@ def block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> 
     """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
     if not call.global_band:
         return False
-    left, right = window_sides(call)
-    nearest, farthest = _distances(call, rows, cols)
-    return (left is not None and farthest < -left) or (right is not None and nearest > right)
+    return _band.block_empty(rows, cols, call.band_offset, *window_sides(call))
 
 
-def _block_is_full(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+def block_is_full(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
     """Whether ``causal``/``window`` keep every score of the block (a static decision;
-    never for symbolic lengths, where the mask is built for every value)."""
-    if call.symbolic:
+    never for symbolic lengths, where the mask is built for every value, nor for a band
+    within segments, which depends on the ids)."""
+    if call.symbolic or (not call.global_band and call.band_sides != (None, None)):
         return False
-    left, right = window_sides(call)
-    nearest, farthest = _distances(call, rows, cols)
-    return (left is None or nearest >= -left) and (right is None or farthest <= right)
+    return _band.block_full(rows, cols, call.band_offset, *window_sides(call))
 
 
 def block_of(x: Any, rows: tuple[int, int], cols: tuple[int, int]) -> Any:

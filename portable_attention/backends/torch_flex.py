@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from portable_attention import _band, _core, _mods, _spec
+from portable_attention import _block_grid, _core, _mods, _spec
 from portable_attention.backends import adapter
 from portable_attention.backends._base import Kernel
 
@@ -159,14 +159,14 @@ def flex_reason(call: _spec.Call) -> str | None:
 def _blocks_kept(call: _spec.Call) -> float:
     """The share of Flex's blocks that the band and a block plan keep (segment ids count
     as keeping all: their share is known only from the data)."""
-    size = call.blocks.block_size if call.blocks is not None else BLOCK
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
-    nq, nk = -(-lq // size), -(-lk // size)
-    kept = _band_blocks(call, size, nq, nk)[0]
-    share = float(kept.float().mean()) if kept is not None else 1.0
-    if call.blocks is not None:
-        share = min(share, call.blocks.density)
-    return share
+    size = _size(call)
+    nq, nk = _block_grid.grid(call, size)
+    return len(_block_grid.pairs(call, size)) / max(nq * nk, 1)
+
+
+def _size(call: _spec.Call) -> int:
+    """Flex's block length for ``call``: a block plan's, else :data:`BLOCK`."""
+    return call.blocks.block_size if call.blocks is not None else BLOCK
 
 
 def auto_declined(call: _spec.Call) -> str | None:
@@ -230,38 +230,31 @@ def taken_reason(call: _spec.Call) -> str:
 # Blocks: which of Flex's blocks the band, segment ids and a block plan keep.
 
 
-def _band_blocks(call: _spec.Call, size: int, nq: int, nk: int) -> tuple[Any, Any]:
-    """``(kept, full)`` boolean ``[1, 1, nq, nk]`` tensors of the band (None: no band)."""
+def _band_blocks(call: _spec.Call, size: int) -> tuple[Any, Any]:
+    """``(kept, full)`` boolean ``[1, 1, nq, nk]`` tensors of the band (None: no band):
+    the blockwise path's block summary (:func:`_block_grid.band_blocks`)."""
     if _core.band_keeps_all(call):
         return None, None
     lq, lk = call.q_shape[-2], call.k_shape[-2]
-    return _band_grid(lq, lk, size, call.band_sides, call.align)
+    return _band_grid(lq, lk, size, *_core.window_sides(call), call.band_offset)
 
 
 @functools.lru_cache(maxsize=64)
 def _band_grid(
-    lq: int, lk: int, size: int, sides: tuple[int | None, int | None], align: str
+    lq: int, lk: int, size: int, left: int | None, right: int | None, offset: int
 ) -> tuple[Any, Any]:
-    """:func:`_band_blocks` of a band (read only; cached: at L = 8192 the loop over the
-    grid's blocks took a few ms a call)."""
-    left, right = sides
-    offset = _band.offset(lq, lk, align)
+    """:func:`_band_blocks` of a band, as tensors (read only; cached)."""
+    kept, full = _block_grid.band_blocks(lq, lk, size, left, right, offset)
     nq, nk = -(-lq // size), -(-lk // size)
-    kept = torch.zeros((nq, nk), dtype=torch.bool)
-    full = torch.zeros((nq, nk), dtype=torch.bool)
-    for qi in range(nq):
-        r0, r1 = qi * size, min((qi + 1) * size, lq)
-        start = 0 if left is None else max(0, r0 + offset - left)
-        stop = lk if right is None else min(lk, r1 - 1 + offset + right + 1)
-        for ki in range(start // size, -(-stop // size)):
-            c0, c1 = ki * size, min((ki + 1) * size, lk)
-            kept[qi, ki] = True
-            # full: every key of the block within the band of every query of the block
-            nearest, farthest = c0 - (r1 - 1) - offset, (c1 - 1) - r0 - offset
-            full[qi, ki] = (left is None or nearest >= -left) and (
-                right is None or farthest <= right
-            )
-    return kept[None, None], full[None, None]
+    return _grid(kept, nq, nk)[None, None], _grid(full, nq, nk)[None, None]
+
+
+def _grid(pairs: Any, nq: int, nk: int) -> Any:
+    """A boolean ``[nq, nk]`` tensor, True at the ``(query block, key block)`` pairs."""
+    blocks = torch.zeros((nq, nk), dtype=torch.bool)
+    if pairs:
+        blocks[tuple(torch.tensor(list(pairs)).T)] = True
+    return blocks
 
 
 def _plan_blocks(call: _spec.Call, nq: int, nk: int) -> tuple[Any, Any]:
@@ -270,12 +263,7 @@ def _plan_blocks(call: _spec.Call, nq: int, nk: int) -> tuple[Any, Any]:
     layout = call.blocks
     assert layout is not None
     b, h = layout.batch or 1, layout.heads or 1
-    kept = torch.zeros((nq, nk), dtype=torch.bool)
-    full = torch.zeros((nq, nk), dtype=torch.bool)
-    if layout.kept:
-        kept[tuple(torch.tensor(layout.kept).T)] = True
-    if layout.full:
-        full[tuple(torch.tensor(sorted(layout.full)).T)] = True
+    kept, full = _grid(layout.kept, nq, nk), _grid(layout.full, nq, nk)
     return kept.expand(b, h, nq, nk), full.expand(b, h, nq, nk)
 
 
@@ -366,26 +354,16 @@ def _within(sides: tuple[int | None, int | None], device: Any) -> Callable[[Any]
     return within
 
 
-def _band_mod(
-    lq: int, lk: int, sides: tuple[int | None, int | None], align: str, device: Any
-) -> Any:
+def _band_mod(offset: int, sides: tuple[int | None, int | None], device: Any) -> Any:
     """The mask_mod of the global band: ``-left <= kv_idx - (q_idx + offset) <= right``
     (:mod:`portable_attention._band`'s rule), its offset and sides captured tensors."""
     within = _within(sides, device)
-    offset = torch.tensor(_band.offset(lq, lk, align), dtype=torch.int64, device=device)
+    at = torch.tensor(offset, dtype=torch.int64, device=device)
 
     def band(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return within(kv_idx - (q_idx + offset))
+        return within(kv_idx - (q_idx + at))
 
     return band
-
-
-def _band_keeps_all(lq: int, lk: int, sides: tuple[int | None, int | None], align: str) -> bool:
-    """Whether the global band keeps every score (as ``_core.band_keeps_all``)."""
-    left, right = sides
-    offset = _band.offset(lq, lk, align)
-    nearest, farthest = -(lq - 1) - offset, (lk - 1) - offset
-    return (left is None or nearest >= -left) and (right is None or farthest <= right)
 
 
 def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) -> Any:
@@ -393,7 +371,6 @@ def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) 
     segment ids, the user's mask_mod; None where nothing masks. Every value is a tensor
     the closure captures (no recompilation for another window or offset)."""
     checks: list[Callable[[Any, Any, Any, Any], Any]] = []
-    lq, lk = call.q_shape[-2], call.k_shape[-2]
     if ids is not None:
         q_ids, kv_ids, q_pos, kv_pos = ids
 
@@ -408,8 +385,8 @@ def _mask_mod(call: _spec.Call, mods: _mods.Mods | None, ids: Any, device: Any) 
                 return within(kv_pos[b, kv_idx] - q_pos[b, q_idx])
 
             checks.append(segment_band)
-    if call.global_band and not _band_keeps_all(lq, lk, call.band_sides, call.align):
-        checks.append(_band_mod(lq, lk, call.band_sides, call.align, device))
+    if not _core.band_keeps_all(call):  # (a band within segments is not global)
+        checks.append(_band_mod(call.band_offset, call.band_sides, device))
     user = mods.mask_mod if mods is not None else None
     if user is not None:
         checks.append(user)
@@ -505,17 +482,18 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
     returns ``lse``."""
     device = q.device
     lq, lk = call.q_shape[-2], call.k_shape[-2]
-    size = call.blocks.block_size if call.blocks is not None else BLOCK
-    nq, nk = -(-lq // size), -(-lk // size)
+    size = _size(call)
+    nq, nk = _block_grid.grid(call, size)
     band_only = call.blocks is None and (
         mods is None or (mods.q_ids is None and mods.mask_mod is None)
     )
     if band_only:  # the whole BlockMask depends on the shapes and options alone
-        block_mask = _band_block_mask(
-            lq, lk, size, call.band_sides, call.align, call.global_band, device
-        )
+        block_mask = None
+        if not _core.band_keeps_all(call):
+            left, right = _core.window_sides(call)
+            block_mask = _band_block_mask(lq, lk, size, left, right, call.band_offset, device)
         return _run(call, q, k, v, mods, block_mask)
-    kept, full = _band_blocks(call, size, nq, nk)
+    kept, full = _band_blocks(call, size)
     if call.blocks is not None:
         pk, pf = _plan_blocks(call, nq, nk)
         kept = pk if kept is None else pk & kept
@@ -542,21 +520,13 @@ def flex(call: _spec.Call, q: Any, k: Any, v: Any, mods: _mods.Mods | None) -> t
 
 @functools.lru_cache(maxsize=32)
 def _band_block_mask(
-    lq: int,
-    lk: int,
-    size: int,
-    sides: tuple[int | None, int | None],
-    align: str,
-    global_band: bool,
-    device: Any,
+    lq: int, lk: int, size: int, left: int | None, right: int | None, offset: int, device: Any
 ) -> Any:
-    """The BlockMask of a call whose only mask is its band (None: no band): built once
-    per shape and band (it holds no user data: the band's mask_mod is this module's, its
-    sides captured tensors). At L = 1024 building it took about 1 ms a call."""
-    if not global_band or _band_keeps_all(lq, lk, sides, align):
-        return None
-    kept, full = _band_grid(lq, lk, size, sides, align)
-    mask_mod = _band_mod(lq, lk, sides, align, device)
+    """The BlockMask of a call whose only mask is its global band: built once per shape
+    and band (it holds no user data: the band's mask_mod is this module's, its sides
+    captured tensors). At L = 1024 building it took about 1 ms a call."""
+    kept, full = _band_grid(lq, lk, size, left, right, offset)
+    mask_mod = _band_mod(offset, (left, right), device)
     return _block_mask(kept.to(device), full.to(device), size, (lq, lk), mask_mod)
 
 
@@ -574,7 +544,7 @@ def _run(
     q4 = q.reshape(batch, hq, lq, qs[-1])
     k4 = k.reshape(batch, hk, lk, ks[-1])
     v4 = v.reshape(batch, hk, lk, vs[-1])
-    size = call.blocks.block_size if call.blocks is not None else BLOCK
+    size = _size(call)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     score_mod = _score_mod(call, mods, device)
 
