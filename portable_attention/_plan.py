@@ -71,7 +71,10 @@ class Plan:
     reason: str
 
 
-def _portable(call: Call, why: str) -> Plan:
+def portable_plan(call: Call, why: str) -> Plan:
+    """The portable path for ``call`` (dense or blockwise), its reason ``why`` and what
+    chose it: also asked by kernels that weigh it against themselves (torch SDPA for a
+    window)."""
     if call.return_weights:
         return Plan(DENSE, f"{why}; return_weights needs the whole score matrix")
     if call.symbolic:
@@ -138,7 +141,7 @@ def _decide(call: Call) -> Plan:
             "that size forward and in the blockwise backward)",
         )
     if implementation == "portable":
-        return _portable(call, "implementation='portable' was asked for")
+        return portable_plan(call, "implementation='portable' was asked for")
     backend = adapter(call.backend)
     kernels = backend.fused_kernels
     refused: list[str] = []
@@ -157,7 +160,7 @@ def _decide(call: Call) -> Plan:
         if declined is None:
             return Plan(tuned.path, f"{why}; {tuned.why}")
         why = f"{why}; not {tuned.path}: {declined}"
-    return _portable(call, why)
+    return portable_plan(call, why)
 
 
 def choose(call: Call) -> Plan:

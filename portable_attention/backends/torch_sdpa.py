@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from portable_attention import _block_grid, _core, _mods, _spec
+from portable_attention import _core, _mods, _spec
 from portable_attention._options import default_scale
-from portable_attention._plan import window_density
+from portable_attention._plan import BLOCKWISE, portable_plan, window_density
 from portable_attention.backends._base import Kernel
 
 _VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -126,31 +126,34 @@ class ScaledDotProductAttention(Kernel):
 
 
 #: Where ``auto`` leaves SDPA for a window on the CPU: the window keeps less than this
-#: share of the blockwise grid's blocks, on a grid of at least ``_WINDOW_MIN_BLOCKS``
-#: blocks (``[1, 8, L, 64]`` float32, 2 cores: SDPA with the band as a dense mask took
-#: 1.0-9.6x the portable path's time at L = 2048-8192 for shares 0.09-0.55, and tied at
-#: L <= 1024; docs/fast-paths.md).
+#: share of the blockwise grid's blocks, the score grid has at least
+#: ``_WINDOW_MIN_SCORES`` scores per head (``Lq * Lk``: L = 1024), and the path that
+#: runs instead skips blocks (``[1, 8, L, 64]`` float32, 2 cores: SDPA with the band as
+#: a dense mask took 1.0-9.6x the portable path's time at L = 2048-8192 for shares
+#: 0.09-0.55, and tied at L <= 1024; at L = 512 the dense path, which also computes every
+#: score, took 2.2x SDPA's time for window (255, 0), and the blockwise path 1.17x forward
+#: (0.86x forward + backward) for window (63, 0); docs/fast-paths.md).
 _WINDOW_DENSITY = 0.6
-_WINDOW_MIN_BLOCKS = 16
+_WINDOW_MIN_SCORES = 1024 * 1024
 
 
 def _window_declined(call: _spec.Call) -> str | None:
-    """Why ``auto`` takes the portable path for a window on the CPU although SDPA could
-    run it (None: SDPA): SDPA takes the band as a dense mask and computes every score,
-    the blockwise path only the band's blocks."""
+    """Why ``auto`` takes another path for a window on the CPU although SDPA could run
+    it (None: SDPA): SDPA takes the band as a dense mask and computes every score, the
+    blockwise path (and FlexAttention) only the band's blocks."""
     if call.device is None or getattr(call.device, "type", None) != "cpu":
         return None
     density = window_density(call)
     if density is None or density >= _WINDOW_DENSITY:
         return None
-    size = _block_grid.block_size(call)
-    nq, nk = _block_grid.grid(call, size)
-    if nq * nk < _WINDOW_MIN_BLOCKS:
+    if call.q_shape[-2] * call.k_shape[-2] < _WINDOW_MIN_SCORES:
+        return None
+    if portable_plan(call, "").path != BLOCKWISE:  # the dense path computes every score too
         return None
     return (
         f"on the CPU SDPA takes the window as a dense mask and computes every score, and the "
-        f"window keeps {density:.0%} of the blocks: the portable path measured faster "
-        "(docs/fast-paths.md)"
+        f"window keeps {density:.0%} of the blocks: the paths that skip the others measured "
+        "faster (docs/fast-paths.md)"
     )
 
 
