@@ -389,7 +389,7 @@ def _torch_flex_case(
 
     dt = getattr(torch, dtype)
     xs, opts = args(device, dt, False)
-    with torch.no_grad():  # (in grad mode a score_mod needs a backward: none on the CPU)
+    with torch.no_grad():  # (on the CPU, a score_mod in grad mode needs a backward)
         p = plan(*xs[:3], implementation="fused", **opts)
         expect(f"{name} path", p.path == "fused:torch-flex", p.path)
         got = attend(*xs[:3], implementation="fused", **opts)

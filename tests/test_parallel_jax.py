@@ -713,20 +713,45 @@ def test_ulysses_dropout_draws_per_shard() -> None:
     assert not np.array_equal(per_head[:, 0], per_head[:, 2])
 
 
+def _committed(x: Any, where: str, mesh: Any) -> Any:
+    """``x`` committed to one device of the mesh, to one outside it, or to another mesh."""
+    if where == "another mesh":
+        other = jax.make_mesh((8,), ("t",), axis_types=(AxisType.Explicit,))
+        spec = P(*([None] * (x.ndim - 2)), "t", None) if x.ndim > 1 else P()  # the sequence
+        return jax.device_put(x, NamedSharding(other, spec))
+    device = jax.devices()[0 if where == "a device of the mesh" else DEVICES - 1]
+    return jax.device_put(x, device)
+
+
+@pytest.mark.parametrize("where", ["a device of the mesh", "a device off it", "another mesh"])
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_sharded_attend_moves_arrays_committed_to_one_device(kind: str, method: str) -> None:
-    """Global arrays committed to one device (``jax.device_put(x, jax.devices()[3])``),
-    another than the mesh's first, go onto the mesh: the result equals single-device
-    ``attend`` and comes back sharded over the mesh, on Explicit and Auto axes."""
+def test_committed_arrays_are_placed_on_the_mesh(method: str, kind: str, where: str) -> None:
+    """Arrays committed elsewhere (``jax.device_put(x, jax.devices()[0])``, a device the
+    mesh does not hold, another mesh), q, k, v and the array options alike, are moved
+    onto the mesh: forward, ``jax.vjp`` and ``jax.vmap`` equal one device's."""
     mesh = mesh_of(4, kind)
-    q, k, v, _, _ = _inputs(("committed", kind, method), jnp.float64, 4, 4, 32, 32)
-    committed = [jax.device_put(x, jax.devices()[3]) for x in (q, k, v)]
-    out = parallel.sharded_attend(*committed, mesh=mesh, axis="s", method=method, causal=True)
-    assert out.sharding.device_set == set(mesh.devices.flat)
-    np.testing.assert_allclose(
-        np.asarray(out), np.asarray(pa.attend(q, k, v, causal=True)), rtol=1e-12, atol=1e-12
-    )
+    q, k, v, dout, _ = _inputs(("committed", method), jnp.float64, 4, 4, 64, 64)
+    ids = jnp.repeat(jnp.arange(2), 32)
+    sinks = jnp.linspace(-1.0, 1.0, 4)
+    options = {"causal": True, "sinks": sinks, "segment_ids": ids}
+    moved = [_committed(x, where, mesh) for x in (q, k, v, sinks, ids)]
+    assert all(x.committed for x in moved)
+
+    def sharded(q: Any, k: Any, v: Any) -> Any:
+        return parallel.sharded_attend(
+            q, k, v, mesh=mesh, axis="s", method=method, causal=True,
+            sinks=moved[3], segment_ids=moved[4],
+        )  # fmt: skip
+
+    out, pull = jax.vjp(sharded, *moved[:3])
+    want, want_pull = jax.vjp(lambda q, k, v: pa.attend(q, k, v, **options), q, k, v)
+    assert out.sharding == NamedSharding(mesh, SEQ)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12, atol=1e-12)
+    for name, g, r in zip(("dq", "dk", "dv"), pull(dout), want_pull(dout), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-12, err_msg=name)
+    batched = jax.vmap(sharded)(*(x[None] for x in moved[:3]))
+    np.testing.assert_allclose(np.asarray(batched[0]), np.asarray(want), atol=1e-12)
 
 
 # -- errors ---------------------------------------------------------------------------------

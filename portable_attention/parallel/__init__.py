@@ -418,7 +418,11 @@ def sharded_attend(
     Parameters
     ----------
     q, k, v : JAX arrays ``[..., H, L, D]``
-        The global arrays (resharded onto the mesh where they are not already).
+        The global arrays, moved onto the mesh where they are not already there (an
+        array committed to one device, ``jax.device_put(x, jax.devices()[0])``, or to
+        another mesh included; so are the array options). Under your own ``jax.jit``
+        the arguments are jit's: jit refuses ones committed outside the mesh, so
+        ``jax.device_put`` them onto it before the call.
     mesh : jax.sharding.Mesh
     axis : str
         The mesh axis to shard the sequence over.

@@ -503,26 +503,33 @@ def permute_sharded(x: Any, size: int, layout: str, axis: int, *, inverse: bool)
 
 
 def _place(x: Any, mesh: Any, spec: P) -> Any:
-    """``x`` sharded as ``spec`` over ``mesh``. A concrete array on other devices than the
-    mesh's (one committed to a device: ``jax.device_put(x, jax.devices()[0])``) cannot
-    enter a computation over the mesh: ``jax.device_put`` moves it. Otherwise, on
-    Explicit axes shard_map takes inputs only as they are sharded, so ``jax.reshard``
-    moves them (under jit too); on Auto axes shard_map moves them itself."""
-    if not isinstance(x, jax.core.Tracer) and isinstance(mesh, jax.sharding.Mesh):
-        devices = getattr(getattr(x, "sharding", None), "device_set", None)
-        if devices is not None and devices != set(mesh.devices.flat):
-            return jax.device_put(x, NamedSharding(mesh, spec))
-    explicit = [
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind == AxisType.Explicit
-    ]
-    if not explicit:
-        return x
+    """``x`` sharded as ``spec`` over ``mesh``, wherever it lives.
+
+    A concrete array goes there by ``jax.device_put``: one committed to a single device
+    (``jax.device_put(x, jax.devices()[0])``) or to another mesh's devices cannot be
+    ``jax.reshard``-ed onto this mesh, nor handed to its ``shard_map`` (JAX raises
+    "incompatible devices"). Under a transformation (a tracer): on Auto axes
+    ``device_put`` moves it (differentiable, and right under ``vmap``); on Explicit
+    axes, where shard_map takes its inputs only as they are typed, ``jax.reshard``,
+    and where the value is committed elsewhere (``jax.vjp``/``vmap`` of a committed
+    array) a replicated ``device_put`` onto the mesh first (``device_put`` straight to a
+    sharded spec mis-places the batch dimension of ``vmap``). Under ``jax.jit`` the
+    arguments are jit's: one committed to devices outside the mesh is jit's own
+    "incompatible devices" error, raised before this runs. An ``AbstractMesh`` (no
+    devices to put on) leaves placing to ``shard_map`` and ``jax.reshard``."""
+    target = NamedSharding(mesh, spec)
     current = getattr(jax.typeof(x), "sharding", None)
     if isinstance(current, NamedSharding) and current.spec == spec and current.mesh == mesh:
         return x
-    return jax.reshard(x, NamedSharding(mesh, spec))
+    explicit = AxisType.Explicit in mesh.axis_types
+    if isinstance(mesh, jax.sharding.Mesh) and (not isinstance(x, jax.core.Tracer) or not explicit):
+        return jax.device_put(x, target)
+    if not explicit:
+        return x
+    try:
+        return jax.reshard(x, target)
+    except ValueError:  # committed to other devices (eager vjp or vmap of such an array)
+        return jax.reshard(jax.device_put(x, NamedSharding(mesh, P())), target)
 
 
 #: Options of sharded_attend that are arrays (passed to the compiled function; the
