@@ -55,6 +55,10 @@ class BlockMath:
         """``exp(s)``."""
         return self.xp.exp(s)
 
+    def row_sum(self, e: Any) -> Any:
+        """``e``'s sums over its last axis, that axis kept (length 1)."""
+        return self.xp.sum(e, axis=-1, keepdims=True)
+
     def exp_shifted(self, s: Any, shift: Any) -> Any:
         """``exp(s - shift)`` (``shift`` broadcasts: one value per row)."""
         return self.xp.exp(s - shift)

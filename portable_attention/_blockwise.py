@@ -36,7 +36,9 @@ are those of the whole call restricted to it, so sequence parallelism can call
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -142,19 +144,24 @@ def forward(
     bounded = bounded_scores(call)
     like = run.like()
 
+    unshifted = not bounded and _tries_unshifted(call, keep, loop)
+
     # (Not the row sums as a column of ones in v: on torch's CPU kernels, accumulating
     # e @ [v, 1] into [8, 256, 65] took 410 us against 205 us for e @ v and 19 for a sum.)
     def query_block(carry: Any, qi: Any) -> tuple[Any, tuple[Any, Any]]:
         rows = run.rows(qi)
         lead = (*ops.q.shape[:-2], rows[1])
-        init = (
-            loop.full((*lead, 1), ct, -_INF, like),
-            loop.full((*lead, 1), ct, 0.0, like),
-            loop.full((*lead, call.v_shape[-1]), ct, 0.0, like),
-        )
+
+        def init() -> tuple[Any, Any, Any]:
+            return (
+                loop.full((*lead, 1), ct, -_INF, like),
+                loop.full((*lead, 1), ct, 0.0, like),
+                loop.full((*lead, call.v_shape[-1]), ct, 0.0, like),
+            )
+
         qb = loop.take(ops.q, *rows, -2)
 
-        def step(state: Any, ki: Any) -> Any:
+        def step(state: Any, ki: Any, *, shifted: bool) -> Any:
             m, total, acc = state
             cols = run.cols(ki)
             allow = run.allow(rows, cols, (qi, ki))
@@ -165,17 +172,17 @@ def forward(
                 call, qb, kb, rows, cols, bias=run.block(ops.bias, rows, cols), mods=mods,
                 allow=allow, math=math, scores=scores, zero_after=bounded,
             )  # fmt: skip
-            if bounded:  # exp(s) <= e**softcap: no running max, no rescaling
+            if not shifted:  # exp(s) without a running max, no rescaling (see below)
                 e = math.exp(s)
-                if allow is not None:
+                if bounded and allow is not None:
                     e = math.zeroed(e, allow)
-                total = math.add(total, xp.sum(e, axis=-1, keepdims=True))
+                total = math.add(total, math.row_sum(e))
             else:
                 m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
                 m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
                 e = math.exp_shifted(s, m_safe)
                 rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
-                total = math.add(math.mul(total, rescale), xp.sum(e, axis=-1, keepdims=True))
+                total = math.add(math.mul(total, rescale), math.row_sum(e))
                 acc = math.mul(acc, rescale)
                 m = m_new
             if keep is not None:
@@ -184,8 +191,12 @@ def forward(
             acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2))
             return m, total, acc
 
-        m, total, acc = loop.inner(step, init, keys_of, qi)
-        shift = None if bounded else xp.where(xp.isfinite(m), m, 0.0)
+        shifted = not (bounded or unshifted)
+        m, total, acc = loop.inner(functools.partial(step, shifted=shifted), init(), keys_of, qi)
+        if unshifted and not host_bool(_unshifted_held(xp, total, acc)):
+            shifted = True  # an exp overflowed or a row's sum lost digits: with the max
+            m, total, acc = loop.inner(functools.partial(step, shifted=True), init(), keys_of, qi)
+        shift = xp.where(xp.isfinite(m), m, 0.0) if shifted else None
         total_safe, block_lse = _core.row_denominators(xp, total, shift)
         return carry, (acc / total_safe, block_lse[..., 0])
 
@@ -208,8 +219,42 @@ def bounded_scores(call: Call) -> bool:
     if call.softcap is None or call.bias_shape is not None or call.score_mod:
         return False
     info = call.xp.finfo(call.compute_dtype)
-    high, low = math.log(float(info.max)), math.log(float(info.smallest_normal))
+    # (NumPy's longdouble: its smallest normal is 0 as a Python float; float64's is safe)
+    tiny = max(float(info.smallest_normal), sys.float_info.min)
+    high, low = math.log(float(info.max)), math.log(tiny)
     return call.softcap + math.log(max(call.k_shape[-2], 1)) < high - 1 and call.softcap < -low - 1
+
+
+def _tries_unshifted(call: Call, keep: BlockKeep | None, loop: BlockLoop) -> bool:
+    """Whether the forward first takes ``exp(s)`` without the running max and checks
+    after each query block that it held (:func:`_unshifted_held`; one host read per query
+    block, the block computed again with the max where it did not, as for a block with a
+    row that has no key, whose sum 0 fails the check): where the adapter asks for it
+    (``Adapter.unshifted_exp``: NumPy and torch's CPU, where each pass over the scores
+    costs), the blocks are walked eagerly, without dropout, and without a ``score_mod``
+    (its scores are any array, and it runs on the functional steps: NumPy would warn of
+    the first try's overflow; torch's ``torch.func`` transforms could not read the check
+    on the host)."""
+    if not loop.static or keep is not None or call.score_mod:
+        return False
+    return adapter(call.backend).unshifted_exp(call)
+
+
+def _unshifted_held(xp: Any, total: Any, acc: Any) -> Any:
+    """Whether ``exp(s)`` without the max gave the softmax to the dtype's resolution: every
+    row sum finite (no ``exp`` overflowed, no NaN) and at least the square root of the
+    smallest normal number, so the row's largest term is at least that over ``Lk`` and the
+    terms that ``exp`` rounded to subnormals or zero weigh less than ``Lk * sqrt(tiny)``
+    relative to it (1e-19 in float32), below the dtype's resolution as with the max
+    subtracted; and the unnormalised output finite (it overflows where the sums are large
+    and V is). NaN fails every comparison. The bound is on the weights: where ``|v|`` is
+    tiny too (below about 1e-17 in float32 with sums near 1e-19), ``exp(s) @ v`` may fall
+    among subnormals and keep fewer digits than with the max subtracted. A 0-d boolean
+    array. The bound stays in the dtype's own scalar (NumPy's longdouble: its smallest
+    normal is 0 as a Python float)."""
+    low = xp.finfo(total.dtype).smallest_normal ** 0.5
+    in_range = xp.all((total >= low) & xp.isfinite(total))
+    return in_range & xp.all(xp.isfinite(acc))
 
 
 def _primitives(

@@ -9,6 +9,7 @@ Memory, speed and compile-time figures come from ``python -m portable_attention 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from portable_attention import Grads, attend, attend_backward, plan
 
 import oracle
 from conftest import TOLERANCES, Backend, requires_backend
-from helpers import assert_like, randn, rng_for, run_python
+from helpers import assert_close, assert_like, randn, rng_for, run_python
 
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -940,6 +941,84 @@ def test_jax_auto_plans() -> None:
     assert "save" in p.reason
     mid = jnp.zeros((1, 8, 512, 64), jnp.float32)
     assert plan(mid, mid, mid, causal=True).path == "tuned:jax"
+
+
+@requires_backend("numpy")
+def test_numpy_blockwise_buffers_are_not_the_results() -> None:
+    """NumPy's in-place steps keep their product buffers from call to call, one set per
+    thread: no result shares memory with them (an earlier call's output, lse and
+    gradients, ``dbias`` of a bias of the block's whole shape included, stay as they were
+    after later calls, in one block where a leaked buffer would be the last one written),
+    and two threads get buffers of their own."""
+    from portable_attention.backends.numpy_math import InPlaceMath
+
+    options: dict[str, Any] = {"implementation": "portable", "chunk_size": 16}
+
+    def run(seed: int) -> list[np.ndarray]:
+        rng = rng_for("buffers", seed)
+        q, k, v = (randn(rng, (1, 2, 16, 8)).astype(np.float32) for _ in range(3))
+        bias = randn(rng, (1, 2, 16, 16)).astype(np.float32)
+        out, lse = attend(q, k, v, bias=bias, return_lse=True, **options)
+        grads = attend_backward(np.ones_like(out), q, k, v, out, lse, bias=bias, chunk_size=16)
+        return [out, lse, grads.dq, grads.dk, grads.dv, grads.dbias]
+
+    first = run(0)
+    kept = [x.copy() for x in first]
+    run(1)
+    for got, before in zip(first, kept, strict=True):
+        np.testing.assert_array_equal(got, before)
+
+    a, b = np.ones((2, 8, 4), np.float32), np.ones((2, 4, 8), np.float32)
+    here = InPlaceMath(np).product(a, b, slot="scores")
+    assert np.shares_memory(here, InPlaceMath(np).product(a, b, slot="scores"))  # kept
+    there: list[np.ndarray] = []
+    thread = threading.Thread(
+        target=lambda: there.append(InPlaceMath(np).product(a, b, slot="scores"))
+    )
+    thread.start()
+    thread.join()
+    assert not np.shares_memory(here, there[0])
+
+
+@requires_backend("numpy")
+def test_numpy_score_mod_with_large_scores_warns_of_nothing() -> None:
+    """A ``score_mod`` on NumPy's blockwise path with scores whose ``exp`` overflows:
+    the oracle's result and no NumPy warning (the first try without the max, which would
+    overflow, is not taken with a score_mod)."""
+    import warnings
+
+    rng = rng_for("score_mod overflow")
+    q, k, v = (randn(rng, (1, 2, 40, 8)).astype(np.float32) for _ in range(3))
+    q = q * np.float32(40.0)  # scores up to about 100: exp overflows float32
+
+    def shift(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s + np.float32(0.01) * (i - j).astype(np.float32)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attend(q, k, v, score_mod=shift, implementation="portable", chunk_size=16)
+    i, j = np.arange(40)[:, None], np.arange(40)[None, :]
+    ref, _, _ = oracle.attention(q, k, v, bias=0.01 * (i - j))
+    assert_close(out.astype(np.float64), ref, "float32")
+
+
+@requires_backend("torch")
+def test_torch_func_vmap_of_a_score_mod_call_in_grad_mode() -> None:
+    """torch.func.vmap over a blockwise ``score_mod`` call with grad mode on (the
+    checkpointed forward runs the blocks itself): the per-example results."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+
+    def shift(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return s + 0.01 * (i - j)
+
+    def f(q: Any) -> Any:
+        kw: dict[str, Any] = {"implementation": "portable", "chunk_size": 16, "causal": True}
+        return attend(q, k[0], v[0], score_mod=shift, **kw)
+
+    torch.testing.assert_close(torch.func.vmap(f)(q), torch.stack([f(x) for x in q]))
 
 
 @requires_backend("numpy")

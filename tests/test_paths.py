@@ -182,26 +182,31 @@ _OFFSETS = {
         "fast": [-40.0, 0.0, 40.0, 80.0],
         "beyond": [-200.0, -100.0, 0.0, 95.0, 300.0],
         "under": [-200.0, -100.0],  # only the row sums' lower bound sees these
+        "subnormal": [-100.0, -95.0],  # sums of exps among the subnormals, none 0
     },
     "float64": {
         "fast": [-600.0, 0.0, 600.0],
         "beyond": [-1000.0, 0.0, 720.0, 2000.0],
         "under": [-1000.0, -800.0],
+        "subnormal": [-740.0, -720.0],
     },
 }
 
 
 @requires_backend("numpy")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("case", ["fast", "beyond", "under", "huge_v"])
+@pytest.mark.parametrize("case", ["fast", "beyond", "under", "subnormal", "huge_v"])
 @pytest.mark.parametrize("lq", [40, 300], ids=["one_block", "blocks"])
 @pytest.mark.parametrize("offset_by", ["bias", "q"])
+@pytest.mark.parametrize("path", ["tuned:numpy", "portable:blockwise"])
 def test_numpy_softmax_without_max_pass_or_with_it(
-    dtype: str, case: str, lq: int, offset_by: str, monkeypatch: pytest.MonkeyPatch
+    dtype: str, case: str, lq: int, offset_by: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The NumPy kernel's softmax skips the row max where the row sums allow it, and
-    falls back where they do not: every row matches the oracle either way, lse included,
-    and NumPy warns of nothing (the overflow of a first try is not the caller's).
+    """NumPy's softmax skips the row max where the row sums allow it, and falls back where
+    they do not, in its tuned kernel and in the blockwise kernel's first try
+    (``Adapter.unshifted_exp``; blocks of 64 there): every row matches the oracle either
+    way, lse included, and NumPy warns of nothing (the overflow of a first try is not the
+    caller's).
     "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division.
 
     The row offsets come from a bias, or from one more feature of q and k (q holds the
@@ -227,7 +232,9 @@ def test_numpy_softmax_without_max_pass_or_with_it(
         q_off = np.concatenate([q / 4, np.broadcast_to(row_offset, (1, 4, lq, 1))], axis=-1)
         k_one = np.concatenate([k, np.ones((1, 4, 50, 1), dtype=dtype)], axis=-1)
         args = {"q": q_off.astype(dtype), "k": k_one, "v": v, "scale": 1.0}
-    assert plan(**args).path == "tuned:numpy"
+    if path == "portable:blockwise":
+        args.update(implementation="portable", chunk_size=64)
+    assert plan(**args).path == path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, lse = attend(**args, return_lse=True)
@@ -254,13 +261,20 @@ def test_numpy_kernel_scale_near_the_float32_max(scale: float) -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_kernel_takes_longdouble() -> None:
+@pytest.mark.parametrize("path", ["tuned:numpy", "portable:blockwise"])
+def test_numpy_kernel_takes_longdouble(path: str) -> None:
     """NumPy's extended precision (not an array-API dtype, but a NumPy array) runs the
-    kernel in that precision, large row offsets included."""
+    kernel in that precision, large row offsets included: -12000 puts every exp of its
+    row below longdouble's smallest normal number (whose square root the first try
+    without the max checks the row sums against: 0 as a Python float)."""
     rng = rng_for("longdouble")
     q, k, v = (randn(rng, (1, 2, n, 8)).astype(np.longdouble) for n in (6, 9, 9))
-    bias = np.asarray([[0.0], [900.0], [-900.0], [0.0], [20000.0], [0.0]], dtype=np.longdouble)
-    out, lse = attend(q, k, v, bias=np.broadcast_to(bias, (6, 9)).copy(), return_lse=True)
+    bias = np.asarray([[0.0], [900.0], [-12000.0], [0.0], [20000.0], [0.0]], dtype=np.longdouble)
+    args: dict[str, Any] = {"bias": np.broadcast_to(bias, (6, 9)).copy()}
+    if path == "portable:blockwise":
+        args.update(implementation="portable", chunk_size=4)
+    assert plan(q, k, v, **args).path == path
+    out, lse = attend(q, k, v, return_lse=True, **args)
     assert out.dtype == lse.dtype == np.longdouble
     ref_out, _, ref_lse = oracle.attention(q, k, v)
     assert_close(out.astype(np.float64), ref_out, "float64")

@@ -199,6 +199,14 @@ class Adapter(ABC):
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, mods=mods, sinks=sinks
         )
 
+    def unshifted_exp(self, call: Call) -> bool:
+        """Whether the blockwise forward of ``call`` first tries ``exp(s)`` without the
+        running max, checking each query block's row sums after (one host read per query
+        block): two passes over every block of scores fewer where it holds, all of them
+        again where it does not. Worth it where passes over memory dominate and a host
+        read costs nothing (NumPy; torch on the CPU); by default not."""
+        return False
+
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
         """The blockwise path's elementwise steps for a call on ``arrays`` (its inputs;
         None where absent): by default the functional ones of the array API."""

@@ -12,39 +12,6 @@ from portable_attention._core import KeepMask
 from portable_attention.backends._base import Adapter
 
 
-def numpy_keep_mask(framework: str, rng_text: str, rng: Any, p: float, xp: Any, device: Any) -> Any:
-    """Keep mask drawn with a NumPy Generator, converted to ``xp`` on ``device``."""
-    if rng is None:
-        rng = np.random.default_rng()
-    if not isinstance(rng, np.random.Generator):
-        raise _spec.rng_type_error(framework, rng_text, rng)
-
-    def draw(shape: tuple[int, ...]) -> Any:
-        return xp.asarray(rng.random(shape, dtype=np.float32) >= p, device=device)
-
-    return draw
-
-
-def numpy_block_keep(
-    framework: str, rng_text: str, rng: Any, p: float, xp: Any, device: Any
-) -> BlockKeep:
-    """The blockwise path's keep masks from a NumPy Generator, converted to ``xp`` on
-    ``device``: one 63-bit seed read from ``rng`` now, then block ``b``'s mask from a
-    generator seeded with ``(seed, b)`` (NumPy's SeedSequence mixes the pair), so the
-    backward draws each block's mask again."""
-    if rng is None:
-        rng = np.random.default_rng()
-    if not isinstance(rng, np.random.Generator):
-        raise _spec.rng_type_error(framework, rng_text, rng)
-    seed = int(rng.integers(0, 2**63 - 1))
-
-    def draw(block: Any, shape: tuple[int, ...]) -> Any:
-        block_rng = np.random.default_rng((seed, int(block)))
-        return xp.asarray(block_rng.random(shape, dtype=np.float32) >= p, device=device)
-
-    return draw
-
-
 class GenericAdapter(Adapter):
     """An array-API library with nothing of its own: the portable path, NumPy's RNG."""
 
@@ -52,10 +19,34 @@ class GenericAdapter(Adapter):
     rng = "a numpy.random.Generator (e.g. `numpy.random.default_rng(0)`)"
 
     def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
-        return numpy_keep_mask(xp.__name__, self.rng, rng, p, xp, device)
+        """Keep mask drawn with a NumPy Generator, converted to ``xp`` on ``device``."""
+        rng = self._generator(rng, xp)
+
+        def draw(shape: tuple[int, ...]) -> Any:
+            return xp.asarray(rng.random(shape, dtype=np.float32) >= p, device=device)
+
+        return draw
 
     def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> BlockKeep:
-        return numpy_block_keep(xp.__name__, self.rng, rng, p, xp, device)
+        """The blockwise path's keep masks from a NumPy Generator, converted to ``xp`` on
+        ``device``: one 63-bit seed read from ``rng`` now, then block ``b``'s mask from a
+        generator seeded with ``(seed, b)`` (NumPy's SeedSequence mixes the pair), so the
+        backward draws each block's mask again."""
+        seed = int(self._generator(rng, xp).integers(0, 2**63 - 1))
+
+        def draw(block: Any, shape: tuple[int, ...]) -> Any:
+            block_rng = np.random.default_rng((seed, int(block)))
+            return xp.asarray(block_rng.random(shape, dtype=np.float32) >= p, device=device)
+
+        return draw
+
+    def _generator(self, rng: Any, xp: Any) -> np.random.Generator:
+        """``rng``, a fresh Generator where it is None; any other type refused."""
+        if rng is None:
+            return np.random.default_rng()
+        if not isinstance(rng, np.random.Generator):
+            raise _spec.rng_type_error(xp.__name__, self.rng, rng)
+        return rng
 
 
 ADAPTER = GenericAdapter()

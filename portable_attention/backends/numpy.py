@@ -15,9 +15,8 @@ import numpy as np
 from portable_attention import _spec
 from portable_attention._block_math import BlockMath
 from portable_attention._checks import shape_of, type_name
-from portable_attention._core import KeepMask
-from portable_attention.backends._base import Adapter, Kernel, MemoKeys
-from portable_attention.backends.generic import numpy_block_keep, numpy_keep_mask
+from portable_attention.backends._base import Kernel, MemoKeys
+from portable_attention.backends.generic import GenericAdapter
 from portable_attention.backends.numpy_math import InPlaceMath
 
 
@@ -50,18 +49,12 @@ class BlockedKernel(Kernel):
         return run_tuned(call, q, k, v, mask, bias, keep, mods)
 
 
-class NumpyAdapter(Adapter):
-    """NumPy: the blocked kernel, and dropout from a ``numpy.random.Generator``."""
+class NumpyAdapter(GenericAdapter):
+    """NumPy: the generic adapter's dropout (a ``numpy.random.Generator``), the blocked
+    kernel, NumPy's scalars and masked arrays refused, the blockwise steps in place."""
 
     name = "NumPy"
-    rng = "a numpy.random.Generator (e.g. `numpy.random.default_rng(0)`)"
     tuned = BlockedKernel()
-
-    def keep_mask(self, rng: Any, p: float, xp: Any, device: Any) -> KeepMask:
-        return numpy_keep_mask(xp.__name__, self.rng, rng, p, xp, device)
-
-    def block_keep(self, rng: Any, p: float, xp: Any, device: Any) -> Any:
-        return numpy_block_keep(xp.__name__, self.rng, rng, p, xp, device)
 
     def check_array(self, name: str, x: Any) -> None:
         # NumPy scalars are not arrays (as Python scalars are not); a masked array's mask
@@ -82,6 +75,9 @@ class NumpyAdapter(Adapter):
 
     def device(self, x: Any) -> Any:
         return "cpu"
+
+    def unshifted_exp(self, call: _spec.Call) -> bool:
+        return True
 
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
         # NumPy records nothing for autodiff: the blockwise steps may always write in

@@ -368,6 +368,12 @@ class TorchAdapter(Adapter):
         out, lse = BlockwiseFunction.apply(q, k, v, mask, bias, call, keep, mods)
         return out, lse
 
+    def unshifted_exp(self, call: _spec.Call) -> bool:
+        # On the CPU only: the check is a host read, a synchronisation on CUDA. Forward
+        # at [1, 8, 4096, 64] float32 causal, blocks of 256: 160-168 ms against 178-200.
+        device = getattr(call.device, "type", None)
+        return device == "cpu" and not torch.compiler.is_compiling()
+
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
         # In place unless autograd records the steps (grad mode on and an input that
         # requires grad: attend_backward differentiated again) or a transform sees them
