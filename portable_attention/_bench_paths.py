@@ -126,6 +126,26 @@ def _row(
     }
 
 
+def _candidates(
+    options: dict[str, Any],
+    path_of: Callable[[dict[str, Any]], str],
+    step_of: Callable[[dict[str, Any]], Callable[[], Any]],
+) -> tuple[dict[str, str], dict[str, Callable[[], Any] | None]]:
+    """Each of :data:`PATHS` for a call class's ``options``: the path ``path_of(opts)``
+    names (``plan()``'s) and the timed step ``step_of(opts)``; where a path cannot run the
+    call (``fused`` without a kernel for it), ``"n/a: <why>"`` and no step."""
+    paths: dict[str, str] = {}
+    fns: dict[str, Callable[[], Any] | None] = {}
+    for label, extra in PATHS.items():
+        opts = {**options, **extra}
+        try:
+            paths[label] = path_of(opts)
+            fns[label] = step_of(opts)
+        except (TypeError, ValueError) as err:
+            paths[label], fns[label] = f"n/a: {err}", None
+    return paths, fns
+
+
 def _say(backend: str, length: int, call: str, what: str) -> None:
     print(f"  {backend} L={length} {call}, {what} ...", file=sys.stderr, flush=True)
 
@@ -169,16 +189,16 @@ def _torch_rows(lengths: tuple[int, ...], passes: tuple[str, ...], rounds: int) 
 
                     return run
 
-                paths: dict[str, str] = {}
-                fns: dict[str, Callable[[], Any] | None] = {}
-                for label, extra in PATHS.items():
-                    opts = {**options, **extra}
-                    try:  # fused: no kernel for the call (or none with a CPU backward)
-                        with torch.no_grad() if not backward else torch.enable_grad():
-                            paths[label] = plan(*args, **opts).path
-                        fns[label] = step(lambda q, k, v, o=opts: attend(q, k, v, **o))
-                    except (TypeError, ValueError) as err:
-                        paths[label], fns[label] = f"n/a: {err}", None
+                def path_of(opts: dict[str, Any], backward: bool = backward) -> str:
+                    # (fused has no kernel with a CPU backward: plan in the pass's grad mode)
+                    with torch.no_grad() if not backward else torch.enable_grad():
+                        return plan(*args, **opts).path  # noqa: B023
+
+                paths, fns = _candidates(
+                    options,
+                    path_of,
+                    lambda o: step(lambda q, k, v, o=o: attend(q, k, v, **o)),
+                )
                 fns["SDPA causal"] = step(
                     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 )
@@ -227,15 +247,11 @@ def _jax_rows(lengths: tuple[int, ...], passes: tuple[str, ...], rounds: int) ->
                         )
                     return lambda: jax.block_until_ready(compiled(*qkv))  # noqa: B023
 
-                paths: dict[str, str] = {}
-                fns: dict[str, Callable[[], Any] | None] = {}
-                for label, extra in PATHS.items():
-                    opts = {**options, **extra}
-                    try:
-                        paths[label] = plan(*qkv, **opts).path
-                        fns[label] = jitted(lambda q, k, v, o=opts: attend(q, k, v, **o))
-                    except (TypeError, ValueError) as err:
-                        paths[label], fns[label] = f"n/a: {err}", None
+                paths, fns = _candidates(
+                    options,
+                    lambda o: plan(*qkv, **o).path,  # noqa: B023
+                    lambda o: jitted(lambda q, k, v, o=o: attend(q, k, v, **o)),
+                )
                 fns["jax.nn causal"] = jitted(anchor)
                 times = _times(fns, rounds)
                 anchors = {a: times.pop(a) for a in ANCHORS["jax"]}
@@ -257,15 +273,11 @@ def _numpy_rows(lengths: tuple[int, ...], passes: tuple[str, ...], rounds: int) 
             if "fwd" not in passes:
                 continue
             _say("numpy", length, name, "fwd")
-            paths: dict[str, str] = {}
-            fns: dict[str, Callable[[], Any] | None] = {}
-            for label, extra in PATHS.items():
-                opts = {**options, **extra}
-                try:
-                    paths[label] = plan(*qkv, **opts).path
-                    fns[label] = functools.partial(attend, *qkv, **opts)
-                except (TypeError, ValueError) as err:
-                    paths[label], fns[label] = f"n/a: {err}", None
+            paths, fns = _candidates(
+                options,
+                lambda o: plan(*qkv, **o).path,  # noqa: B023
+                lambda o: functools.partial(attend, *qkv, **o),  # noqa: B023
+            )
             out.append(_row("numpy", length, name, "fwd", paths, _times(fns, rounds), {}))
     return out
 

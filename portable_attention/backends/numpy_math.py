@@ -102,9 +102,8 @@ class InPlaceMath(BlockMath):
 
     def matmul_add(self, acc: Any, a: Any, b: Any) -> Any:
         with np.errstate(over="ignore", invalid="ignore"):  # (as in add)
-            if acc is None:
-                return np.matmul(a, b)
-            return self.add(acc, self.product(a, b, slot="matmul_add"))
+            product = np.matmul(a, b) if acc is None else self.product(a, b, slot="matmul_add")
+        return product if acc is None else self.add(acc, product)
 
     def mul(self, a: Any, b: Any) -> Any:
         return np.multiply(a, b, out=a) if _fits(a, b) else a * b
