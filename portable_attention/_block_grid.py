@@ -126,6 +126,38 @@ def partners(todo: list[tuple[int, int]], count: int, *, by_keys: bool) -> list[
     return table
 
 
+#: A run of consecutive key blocks ``(first, stop)`` that one step of a static loop takes
+#: at once (:func:`merged`).
+Run = tuple[int, int]
+
+
+def merged(call: Call, run: Pass, table: list[list[int]], blocks: int) -> list[list[Any]]:
+    """Each query block's partners of ``table`` with runs of up to ``blocks``
+    consecutive key blocks that the band keeps whole (every pair where no band applies)
+    joined into one :data:`Run`: fewer, larger matrix products, as FlashAttention's
+    blocks are shaped for a GPU's tiles but a CPU's BLAS wants long spans. A block the
+    band cuts stays alone (its mask covers only it)."""
+    if blocks <= 1:
+        return table
+    full = None
+    if call.global_band:
+        left, right = _core.window_sides(call)
+        lq, lk = call.q_shape[-2], call.k_shape[-2]
+        full = band_blocks(lq, lk, run.size, left, right, call.band_offset)[1]
+    out: list[list[Any]] = []
+    for qi, keys in enumerate(table):
+        row: list[Any] = []
+        for ki in keys:
+            whole = full is None or (qi, ki) in full
+            last = row[-1] if row else None
+            if whole and isinstance(last, tuple) and last[1] == ki and ki - last[0] < blocks:
+                row[-1] = (last[0], ki + 1)
+            else:
+                row.append((ki, ki + 1) if whole else ki)
+        out.append(row)
+    return out
+
+
 def padded(table: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     """:func:`partners`' table made rectangular (each row padded with zeros to the
     longest, at least one column) and each row's count of partners: what a compiled inner
@@ -153,6 +185,10 @@ class Pass:
         return qi * self.size, self.loop.length(self.call.q_shape[-2], self.size, qi)
 
     def cols(self, ki: Any) -> Span:
+        """Key block ``ki``'s span, or a :data:`Run`'s (:func:`merged`)."""
+        if isinstance(ki, tuple):
+            start, stop = ki[0] * self.size, min(ki[1] * self.size, self.call.k_shape[-2])
+            return start, stop - start
         return ki * self.size, self.loop.length(self.call.k_shape[-2], self.size, ki)
 
     def block(self, x: Any, rows: Span, cols: Span) -> Any:
@@ -227,12 +263,21 @@ class Pass:
 
 
 def prepared(
-    call: Call, loop: BlockLoop, q: Any, k: Any, v: Any, mask: Any, bias: Any, mods: Mods | None
+    call: Call,
+    loop: BlockLoop,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    mods: Mods | None,
+    units: float = 1.0,
 ) -> Pass:
     """The operands (and segment ids) of a pass, padded to whole blocks on a padded
-    loop: padded keys are masked (:meth:`_Pass.band`), padded query rows dropped."""
+    loop: padded keys are masked (:meth:`_Pass.band`), padded query rows dropped.
+    ``units``: what the scores are multiplied by (``log2(e)`` for scores in base 2)."""
     size = block_size(call, loop)
-    ops = operands(call, q, k, v, mask, bias, q_factor=_core.q_factor(call))
+    ops = operands(call, q, k, v, mask, bias, q_factor=_core.q_factor(call) * units)
     nq, nk = grid(call, size)
     lqp, lkp = nq * size, nk * size
 

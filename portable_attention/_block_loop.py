@@ -47,6 +47,12 @@ class BlockLoop:
         """Scores per block over all batch and head dims, from the core's ``default``."""
         return default
 
+    def key_span(self, call: Any, size: int) -> int:
+        """The most keys one step of the forward takes at once, where consecutive key
+        blocks of ``size`` need no mask (:func:`~portable_attention._block_grid.merged`;
+        static loops only): ``size`` here, one block per step."""
+        return size
+
     def length(self, total: int, size: int, index: Any) -> Any:
         """The length of block ``index`` of ``size`` on an axis of ``total``."""
         return min(size, total - index * size)
@@ -65,8 +71,13 @@ class BlockLoop:
         for index in indices:
             carry, outputs = body(carry, index)
             parts.append(outputs)
-        joined = tuple(_concat(self.xp, [p[i] for p in parts], axis) for i, axis in enumerate(axes))
-        return carry, joined
+        return carry, joined(self.xp, parts, axes)
+
+    def each(self, body: Body, indices: Sequence[int], axes: tuple[int, ...]) -> tuple[Any, ...]:
+        """:meth:`outer` over blocks that carry nothing from one to the next (the
+        forward's query blocks; ``body`` is given ``()`` as its carry): an adapter may
+        run them in any order, on threads (NumPy's)."""
+        return self.outer(body, (), indices, axes)[1]
 
     def inner(self, step: Step, state: Any, partners: Sequence[Sequence[int]], index: Any) -> Any:
         """``step`` over the partners of outer block ``index``, in their order."""
@@ -141,6 +152,11 @@ def unstacked(xp: Any, x: Any, axis: int) -> Any:
     return xp.reshape(
         x, (*shape[: x.ndim + axis], shape[axis] * shape[axis + 1], *shape[x.ndim + axis + 2 :])
     )
+
+
+def joined(xp: Any, parts: Sequence[tuple[Any, ...]], axes: tuple[int, ...]) -> tuple[Any, ...]:
+    """Each output of the blocks' ``parts`` (one tuple per block) joined along its axis."""
+    return tuple(_concat(xp, [p[i] for p in parts], axis) for i, axis in enumerate(axes))
 
 
 def _concat(xp: Any, blocks: list[Any], axis: int) -> Any:

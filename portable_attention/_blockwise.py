@@ -48,6 +48,7 @@ from portable_attention._block_grid import (
     Span,
     block_number,
     masked_out,
+    merged,
     pairs,
     partners,
     prepared,
@@ -62,6 +63,7 @@ from portable_attention._spec import Call, check_arrays
 from portable_attention.backends import adapter
 
 _INF = float("inf")  # (a pass's ``math`` argument shadows the math module)
+_LOG2E, _LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 #: ``keep(block, shape) -> bool array``: block ``block``'s dropout keep mask for a block of
 #: scores of ``shape``, the same array for the same block and shape every time it is asked
@@ -138,9 +140,12 @@ def forward(
     scores, host_bool, math, loop = _primitives(
         call, (q, k, v, mask, bias), scores, host_bool, math, loop
     )
-    run = prepared(call, loop, q, k, v, mask, bias, mods)
+    base2 = base2_scores(call, math)
+    run = prepared(call, loop, q, k, v, mask, bias, mods, _LOG2E if base2 else 1.0)
     ops, mods = run.ops, run.mods
     keys_of = partners(pairs(call, run.size), run.nq, by_keys=False)
+    if _merges_runs(call, keep, mods, loop):
+        keys_of = merged(call, run, keys_of, loop.key_span(call, run.size) // run.size)
     bounded = bounded_scores(call)
     like = run.like()
 
@@ -152,11 +157,11 @@ def forward(
         rows = run.rows(qi)
         lead = (*ops.q.shape[:-2], rows[1])
 
-        def init() -> tuple[Any, Any, Any]:
+        def init() -> tuple[Any, Any, Any]:  # (the sums: None on a static loop until the first)
             return (
                 loop.full((*lead, 1), ct, -_INF, like),
-                loop.full((*lead, 1), ct, 0.0, like),
-                loop.full((*lead, call.v_shape[-1]), ct, 0.0, like),
+                loop.accumulator((*lead, 1), ct, like),
+                loop.accumulator((*lead, call.v_shape[-1]), ct, like),
             )
 
         qb = loop.take(ops.q, *rows, -2)
@@ -173,17 +178,19 @@ def forward(
                 allow=allow, math=math, scores=scores, zero_after=bounded,
             )  # fmt: skip
             if not shifted:  # exp(s) without a running max, no rescaling (see below)
-                e = math.exp(s)
+                e = math.exp(s, base2=base2)
                 if bounded and allow is not None:
                     e = math.zeroed(e, allow)
-                total = math.add(total, math.row_sum(e))
+                total = _summed(math, total, math.row_sum(e))
             else:
                 m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
                 m_safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
-                e = math.exp_shifted(s, m_safe)
-                rescale = xp.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
-                total = math.add(math.mul(total, rescale), math.row_sum(e))
-                acc = math.mul(acc, rescale)
+                e = math.exp_shifted(s, m_safe, base2=base2)
+                if total is not None:
+                    # 0 while the row has seen no key (m = -inf)
+                    rescale = xp.exp((m - m_safe) * (_LN2 if base2 else 1.0))
+                    total, acc = math.mul(total, rescale), math.mul(acc, rescale)
+                total = _summed(math, total, math.row_sum(e))
                 m = m_new
             if keep is not None:
                 kept = keep(block_number(qi, ki, run.nk), tuple(e.shape))
@@ -191,22 +198,46 @@ def forward(
             acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2))
             return m, total, acc
 
+        def walk(shifted: bool) -> tuple[Any, Any, Any]:
+            state = loop.inner(functools.partial(step, shifted=shifted), init(), keys_of, qi)
+            m, total, acc = state
+            if total is None:  # no key block was computed: every row is empty
+                total, acc = xp.zeros_like(m), loop.full((*lead, call.v_shape[-1]), ct, 0.0, like)
+            return m, total, acc
+
         shifted = not (bounded or unshifted)
-        m, total, acc = loop.inner(functools.partial(step, shifted=shifted), init(), keys_of, qi)
+        m, total, acc = walk(shifted)
         if unshifted and not host_bool(_unshifted_held(xp, total, acc)):
             shifted = True  # an exp overflowed or a row's sum lost digits: with the max
-            m, total, acc = loop.inner(functools.partial(step, shifted=True), init(), keys_of, qi)
-        shift = xp.where(xp.isfinite(m), m, 0.0) if shifted else None
+            m, total, acc = walk(shifted)
+        shift = xp.where(xp.isfinite(m), m * (_LN2 if base2 else 1.0), 0.0) if shifted else None
         total_safe, block_lse = _core.row_denominators(xp, total, shift)
         return carry, (acc / total_safe, block_lse[..., 0])
 
     first, stop = query_blocks if query_blocks is not None else (0, run.nq)
-    _, (out, lse) = loop.outer(query_block, (), range(first, stop), (-2, -1))
+    out, lse = loop.each(query_block, range(first, stop), (-2, -1))
     length = min(stop * run.size, call.q_shape[-2]) - first * run.size
     out, lse = trimmed(out, length, -2), trimmed(lse, length, -1)
     if query_blocks is not None:
         return _core.ungrouped(call, out, lse, length)
     return _core.ungrouped(call, out, lse)
+
+
+def _summed(math: BlockMath, total: Any, x: Any) -> Any:
+    """``total + x``, ``x`` where nothing was summed yet (None)."""
+    return x if total is None else math.add(total, x)
+
+
+def base2_scores(call: Call, math: BlockMath) -> bool:
+    """Whether the forward takes its scores in units of log2 (``log2(e)`` folded into q
+    with the scale, ``exp`` as ``exp2``): where the steps say ``exp2`` is faster
+    (:attr:`BlockMath.base2`), in float32, and without a softcap, a bias or a score_mod,
+    which take scores in natural units. Not in float64: there the factor would cost exact
+    inputs their exactness (at ``scale=1e6``, keys whose scores tie exactly got weights
+    1.6e-10 apart)."""
+    if not math.base2 or call.softcap is not None or call.bias_shape is not None:
+        return False
+    return not call.score_mod and call.compute_dtype == call.xp.float32
 
 
 def bounded_scores(call: Call) -> bool:
@@ -223,6 +254,16 @@ def bounded_scores(call: Call) -> bool:
     tiny = max(float(info.smallest_normal), sys.float_info.min)
     high, low = math.log(float(info.max)), math.log(tiny)
     return call.softcap + math.log(max(call.k_shape[-2], 1)) < high - 1 and call.softcap < -low - 1
+
+
+def _merges_runs(call: Call, keep: BlockKeep | None, mods: Mods | None, loop: BlockLoop) -> bool:
+    """Whether the forward joins runs of key blocks (:func:`_block_grid.merged`): on a
+    static loop, without dropout (whose masks are drawn per block), a block plan (its
+    blocks are its own) or masks that segment ids or a ``mask_mod`` make (a block they
+    mask entirely is skipped)."""
+    if not loop.static or keep is not None or call.blocks is not None:
+        return False
+    return mods is None or (mods.q_ids is None and mods.mask_mod is None)
 
 
 def _tries_unshifted(call: Call, keep: BlockKeep | None, loop: BlockLoop) -> bool:

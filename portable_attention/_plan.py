@@ -160,6 +160,10 @@ def _decide(call: Call) -> Plan:
         if declined is None:
             return Plan(tuned.path, f"{why}; {tuned.why}")
         why = f"{why}; not {tuned.path}: {declined}"
+    if implementation == "auto" and not call.symbolic and not call.return_weights:
+        preferred = backend.blockwise_reason(call)
+        if preferred is not None:
+            return Plan(BLOCKWISE, f"{why}; {preferred}")
     return portable_plan(call, why)
 
 

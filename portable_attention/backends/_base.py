@@ -212,6 +212,12 @@ class Adapter(ABC):
         None where absent): by default the functional ones of the array API."""
         return BlockMath(xp)
 
+    def blockwise_reason(self, call: Call) -> str | None:
+        """Why ``auto`` takes the blockwise path for a call that no kernel takes, whatever
+        its size (where the framework runs it faster than the dense path); None where the
+        size rules of :func:`~portable_attention._plan.portable_plan` decide."""
+        return None
+
     def block_loop(self, call: Call) -> BlockLoop:
         """How the blockwise path walks its blocks
         (:class:`~portable_attention._block_loop.BlockLoop`): by default Python loops over

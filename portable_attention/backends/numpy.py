@@ -1,8 +1,8 @@
 """NumPy: its adapter (dropout from a ``numpy.random.Generator``, the generic adapter's
-RNG; NumPy's scalars and masked arrays refused by name; the blockwise path's steps in
-place, :mod:`~portable_attention.backends.numpy_math`) and the planner's face of the
-tuned kernel of our own, NumPy having no fused attention. The kernel itself is
-:mod:`portable_attention.backends.numpy_kernel`, imported when it first runs.
+RNG; NumPy's scalars and masked arrays refused by name). NumPy has no fused attention:
+``auto`` runs the blockwise path at every size, with its steps in place
+(:mod:`~portable_attention.backends.numpy_math`) and its loops over long spans of keys
+and on worker threads (:mod:`~portable_attention.backends.numpy_loop`).
 """
 
 from __future__ import annotations
@@ -13,48 +13,30 @@ from typing import Any
 import numpy as np
 
 from portable_attention import _spec
+from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
 from portable_attention._checks import shape_of, type_name
-from portable_attention.backends._base import Kernel, MemoKeys
+from portable_attention.backends._base import MemoKeys
 from portable_attention.backends.generic import GenericAdapter
+from portable_attention.backends.numpy_loop import NumpyLoop
 from portable_attention.backends.numpy_math import InPlaceMath
 
 
-class BlockedKernel(Kernel):
-    """The NumPy-only blocked kernel (NumPy has no fused attention)."""
-
-    path = "tuned:numpy"
-    why = "the NumPy-only blocked kernel runs (in-place softmax, blocks of queries)"
-
-    def reason(self, call: _spec.Call) -> str | None:
-        """It takes every call that reaches it but those with a score_mod or mask_mod:
-        ``chunk_size`` is decided before any backend is asked."""
-        if call.score_mod or call.mask_mod:
-            return "score_mod and mask_mod run on the portable path, block by block"
-        return None
-
-    def run(
-        self,
-        call: _spec.Call,
-        q: Any,
-        k: Any,
-        v: Any,
-        mask: Any,
-        bias: Any,
-        keep: Any,
-        mods: Any = None,
-    ) -> tuple[Any, Any, Any]:
-        from portable_attention.backends.numpy_kernel import run_tuned
-
-        return run_tuned(call, q, k, v, mask, bias, keep, mods)
-
-
 class NumpyAdapter(GenericAdapter):
-    """NumPy: the generic adapter's dropout (a ``numpy.random.Generator``), the blocked
-    kernel, NumPy's scalars and masked arrays refused, the blockwise steps in place."""
+    """NumPy: the generic adapter's dropout (a ``numpy.random.Generator``), NumPy's
+    scalars and masked arrays refused, the blockwise path at every size, its steps in
+    place, its loops NumPy's."""
 
     name = "NumPy"
-    tuned = BlockedKernel()
+
+    def blockwise_reason(self, call: _spec.Call) -> str | None:
+        return (
+            "NumPy runs the blockwise path's steps in place, over long spans of keys where "
+            "no mask cuts them"
+        )
+
+    def block_loop(self, call: _spec.Call) -> BlockLoop:
+        return NumpyLoop(call.xp, call)
 
     def check_array(self, name: str, x: Any) -> None:
         # NumPy scalars are not arrays (as Python scalars are not); a masked array's mask

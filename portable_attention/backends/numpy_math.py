@@ -66,21 +66,26 @@ class InPlaceMath(BlockMath):
             buffer = buffers[slot, dtype] = np.empty(size, dtype)
         return buffer[:size].reshape(shape)
 
-    def exp(self, s: Any) -> Any:
+    #: ``np.exp2``: 222 us where ``np.exp`` took 475 for [8, 256, 512] float32 scores
+    #: (AVX-512 EPYC, NumPy 2); float32 only (:func:`_blockwise.base2_scores`).
+    base2 = True
+
+    def exp(self, s: Any, *, base2: bool = False) -> Any:
         # Without a max subtracted (the forward's first try, checked after: see
         # _blockwise._unshifted_held), exp may overflow: NumPy's warning would only alarm.
         with np.errstate(over="ignore"):
-            return np.exp(s, out=s)
+            return (np.exp2 if base2 else np.exp)(s, out=s)
 
     def row_sum(self, e: Any) -> Any:
         # A matrix-vector product: 11 us for [8, 128, 128] float32, e.sum(-1) took 41.
         return np.matmul(e, np.ones((e.shape[-1], 1), e.dtype))
 
-    def exp_shifted(self, s: Any, shift: Any) -> Any:
+    def exp_shifted(self, s: Any, shift: Any, *, base2: bool = False) -> Any:
         if not _fits(s, shift):
-            return super().exp_shifted(s, shift)
-        np.subtract(s, shift, out=s)
-        return np.exp(s, out=s)
+            s = s - shift
+        else:
+            np.subtract(s, shift, out=s)
+        return (np.exp2 if base2 else np.exp)(s, out=s)
 
     def masked(self, s: Any, allow: Any) -> Any:
         if not _fits(s, allow):

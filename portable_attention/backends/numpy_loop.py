@@ -1,0 +1,112 @@
+"""NumPy's loops of the blockwise path (:class:`NumpyLoop`): the array-API loops, with
+each step of the forward over a long span of keys where no mask cuts it, and the forward's
+query blocks on worker threads where the user has put the BLAS on one thread.
+
+Threads: for calls of 4M scores and more without dropout, when ``threadpoolctl`` is
+installed and shows every BLAS library on one thread already (``OPENBLAS_NUM_THREADS=1``,
+or the caller's ``threadpoolctl.threadpool_limits(1, "blas")``), the forward's query blocks
+run on up to 4 threads (this thread and a pool, no more than the cores); NumPy releases
+the GIL in matmul and ufuncs, so the elementwise steps run in parallel too, each thread
+on its own buffers (:mod:`~portable_attention.backends.numpy_math`). Otherwise a call
+runs on this thread with the BLAS's own threads. The loop never changes the BLAS's thread
+count: it is process-wide, and pinning it for a call slowed the BLAS work of the user's
+other threads while the call ran. Python threads on top of a threaded OpenBLAS
+oversubscribe the cores (measured 10-100x slower), and below 4M scores waking a pool
+thread cost more than it gave (at ``[1, 8, 512, 512]`` scores, 8.2 ms threaded against
+5.7 ms).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from portable_attention._block_loop import BlockLoop, Body, joined
+
+#: Scores per step of the forward, over all batch and head dims (16 MiB of float32).
+SPAN_SCORES = 1 << 22
+#: Below this many scores in all, threads cost more than they give.
+THREADS_MIN_SCORES = 1 << 22
+WORKERS = max(1, min(4, os.cpu_count() or 1))  # this thread and WORKERS - 1 in the pool
+_pool: ThreadPoolExecutor | None = None
+_blas: Any = None  # threadpoolctl's BLAS controllers, False when it is not installed
+
+
+class NumpyLoop(BlockLoop):
+    """The array-API loops; each step of the forward over up to :data:`SPAN_SCORES`
+    scores where consecutive key blocks need no mask; the forward's query blocks on
+    :data:`WORKERS` threads where the module docstring says."""
+
+    def __init__(self, xp: Any, call: Any) -> None:
+        super().__init__(xp, call.device)
+        scores = math.prod(call.q_shape[:-1]) * call.k_shape[-2]
+        big = scores >= THREADS_MIN_SCORES and not call.dropout and WORKERS > 1
+        self.threaded = big and blas_on_one_thread(_blas_controller())
+
+    def key_span(self, call: Any, size: int) -> int:
+        rows = min(size, call.q_shape[-2]) * math.prod(call.q_shape[:-2])
+        return max(size, SPAN_SCORES // max(rows, 1))
+
+    def each(self, body: Body, indices: Sequence[int], axes: tuple[int, ...]) -> tuple[Any, ...]:
+        if not self.threaded or len(indices) < 2:
+            return super().each(body, indices, axes)
+        results: dict[int, tuple[Any, ...]] = {}
+        todo = iter(indices)
+
+        def drain() -> None:  # takes blocks until none is left (next() holds the GIL)
+            for index in todo:
+                results[index] = body((), index)[1]
+
+        helpers = [_executor().submit(drain) for _ in range(min(WORKERS, len(indices)) - 1)]
+        try:
+            drain()  # this thread works too: one thread fewer to wake
+        finally:  # no helper may still be writing when the call ends; an error here wins
+            futures.wait(helpers)
+        for helper in helpers:
+            helper.result()
+        return joined(self.xp, [results[i] for i in indices], axes)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="portable_attention")
+    return _pool
+
+
+def _blas_controller() -> Any:
+    """The BLAS libraries' threadpoolctl controllers (a tuple, empty when threadpoolctl
+    finds none: then the loop runs no threads of its own), or None without it."""
+    global _blas
+    if _blas is None:
+        try:
+            import threadpoolctl
+        except ImportError:
+            _blas = False
+        else:
+            controllers = threadpoolctl.ThreadpoolController().lib_controllers
+            _blas = tuple(c for c in controllers if c.user_api == "blas")
+    return _blas if _blas is not False else None
+
+
+def blas_on_one_thread(blas: Any) -> bool:
+    """Whether every BLAS library is on one thread already: then the loop's own threads
+    are the only parallelism and cannot oversubscribe the cores. The count is the user's
+    (``OPENBLAS_NUM_THREADS=1``, ``threadpoolctl.threadpool_limits(1, "blas")``); this
+    module never changes it, since it is process-wide (OpenBLAS's pthreads build has no
+    per-thread count: its ``openblas_set_num_threads_local`` sets the global one)."""
+    return bool(blas) and all(c.get_num_threads() == 1 for c in blas)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (multiprocessing's default on Linux before Python 3.14) has none of
+    the pool's threads: a threaded call would wait forever for its helpers."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
