@@ -237,7 +237,10 @@ def base2_scores(call: Call, math: BlockMath) -> bool:
     1.6e-10 apart)."""
     if not math.base2 or call.softcap is not None or call.bias_shape is not None:
         return False
-    return not call.score_mod and call.compute_dtype == call.xp.float32
+    if call.score_mod or call.compute_dtype != call.xp.float32:
+        return False
+    # (a scale near float32's max would become inf with the factor: every score NaN)
+    return abs(_core.q_factor(call)) * _LOG2E < float(call.xp.finfo(call.compute_dtype).max)
 
 
 def bounded_scores(call: Call) -> bool:
@@ -259,9 +262,9 @@ def bounded_scores(call: Call) -> bool:
 def _merges_runs(call: Call, keep: BlockKeep | None, mods: Mods | None, loop: BlockLoop) -> bool:
     """Whether the forward joins runs of key blocks (:func:`_block_grid.merged`): on a
     static loop, without dropout (whose masks are drawn per block), a block plan (its
-    blocks are its own) or masks that segment ids or a ``mask_mod`` make (a block they
-    mask entirely is skipped)."""
-    if not loop.static or keep is not None or call.blocks is not None:
+    blocks are its own), ``chunk_size`` (the user's bound on a block's memory) or masks
+    that segment ids or a ``mask_mod`` make (a block they mask entirely is skipped)."""
+    if not loop.static or keep is not None or call.blocks is not None or call.chunk_size:
         return False
     return mods is None or (mods.q_ids is None and mods.mask_mod is None)
 

@@ -1022,10 +1022,13 @@ def test_torch_func_vmap_of_a_score_mod_call_in_grad_mode() -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_auto_keeps_its_native_kernel() -> None:
-    """No autodiff on NumPy: nothing is saved, the tuned kernel keeps large calls."""
-    q = np.zeros((1, 8, 1024, 64), np.float32)
-    assert plan(q, q, q, causal=True).path == "tuned:numpy"
+def test_numpy_auto_runs_the_blockwise_path() -> None:
+    """No autodiff on NumPy, nothing saved: ``auto`` runs the blockwise path at every
+    size (its steps in place), the weights excepted."""
+    for length in (4, 1024):
+        q = np.zeros((1, 8, length, 64), np.float32)
+        assert plan(q, q, q, causal=True).path == "portable:blockwise"
+        assert plan(q, q, q, return_weights=True).path == "portable:dense"
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from portable_attention import _core, attend, plan
 from portable_attention._options import options
 from portable_attention._spec import validate_call
-from portable_attention.backends import numpy_kernel as numpy_backend
+from portable_attention.backends import numpy_loop
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
@@ -74,20 +74,21 @@ def test_jax_plan_on_cpu_prefers_portable_by_measurement() -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_plan_is_tuned() -> None:
+def test_numpy_plan_is_blockwise_at_every_size() -> None:
+    """NumPy has no kernel of its own: ``auto`` runs the one blockwise kernel, small
+    calls included, but for the weights (the whole score matrix)."""
     backend = BY_NAME["numpy"]
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
-    p = plan(q, k, v, return_weights=True, causal=True, softcap=3.0)
-    assert p.path == "tuned:numpy"
-    assert "no fused attention kernel" in p.reason
+    p = plan(q, k, v, causal=True, softcap=3.0)
+    assert p.path == "portable:blockwise"
+    assert "no fused attention kernel" in p.reason and "in place" in p.reason
+    assert plan(q, k, v, return_weights=True).path == "portable:dense"
     assert plan(q, k, v, chunk_size=8).path == "portable:blockwise"
     assert plan(q, k, v, implementation="portable").path == "portable:dense"
 
 
 def test_large_dense_scores_take_the_chunked_path(backend: Backend) -> None:
     """plan() only: 8 heads x 4096 x 4096 float64 scores would take 1 GiB."""
-    if backend.name == "numpy":
-        pytest.skip("NumPy's tuned kernel blocks its queries itself")
     q, k, v = _qkv(backend, (1, 8, 4096, 4), (1, 8, 4096, 4), "float64")
     p = plan(q, k, v, implementation="portable")
     assert p.path == "portable:blockwise"
@@ -157,13 +158,14 @@ def test_chunked_agrees_with_dense_on_many_blocks(
 
 @requires_backend("numpy")
 def test_numpy_threaded_kernel_matches_oracle() -> None:
-    """Big enough for the NumPy kernel's threads (4M scores) and several query blocks."""
+    """Big enough for NumPy's worker threads (4M scores) and several query blocks (they
+    run on threads only where the BLAS is on one: tests/test_threads.py)."""
     rng = rng_for("threads")
     q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
-    assert numpy_backend._THREADS_MIN_ELEMENTS <= 2 * 8 * 512 * 512  # threads, or no test
+    assert numpy_loop.THREADS_MIN_SCORES <= 2 * 8 * 512 * 512  # threads, or no test
     mask = rng.random((512, 512)) < 0.9
     mask[7] = False
-    assert plan(q, k, v, mask=mask).path == "tuned:numpy"
+    assert plan(q, k, v, mask=mask).path == "portable:blockwise"
     out, lse = attend(q, k, v, mask=mask, causal=True, return_lse=True)
     ref_out, _, ref_lse = oracle.attention(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask, causal=True
@@ -198,20 +200,20 @@ _OFFSETS = {
 @pytest.mark.parametrize("case", ["fast", "beyond", "under", "subnormal", "huge_v"])
 @pytest.mark.parametrize("lq", [40, 300], ids=["one_block", "blocks"])
 @pytest.mark.parametrize("offset_by", ["bias", "q"])
-@pytest.mark.parametrize("path", ["tuned:numpy", "portable:blockwise"])
+@pytest.mark.parametrize("chunk_size", [None, 64], ids=["auto", "chunk64"])
 def test_numpy_softmax_without_max_pass_or_with_it(
-    dtype: str, case: str, lq: int, offset_by: str, path: str, monkeypatch: pytest.MonkeyPatch
+    dtype: str, case: str, lq: int, offset_by: str, chunk_size: int | None
 ) -> None:
     """NumPy's softmax skips the row max where the row sums allow it, and falls back where
-    they do not, in its tuned kernel and in the blockwise kernel's first try
-    (``Adapter.unshifted_exp``; blocks of 64 there): every row matches the oracle either
-    way, lse included, and NumPy warns of nothing (the overflow of a first try is not the
-    caller's).
+    they do not, in the blockwise kernel's first try (``Adapter.unshifted_exp``; runs of
+    key blocks under ``auto``, square blocks of 64 with ``chunk_size``): every row matches
+    the oracle either way, lse included, and NumPy warns of nothing (the overflow of a
+    first try is not the caller's).
     "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division.
 
     The row offsets come from a bias, or from one more feature of q and k (q holds the
     offset, k holds 1, scale=1): float32 without a bias takes the kernel's ``exp2``
-    path, with one its ``exp`` path."""
+    path (``BlockMath.base2``), with one its ``exp`` path."""
     rng = rng_for("no-max-pass", dtype, case, lq)
     q, k, v = (randn(rng, (1, 4, n, 16)).astype(dtype) for n in (lq, 50, 50))
     offsets = _OFFSETS[dtype]["fast" if case == "huge_v" else case]
@@ -222,8 +224,7 @@ def test_numpy_softmax_without_max_pass_or_with_it(
         v = v * v_scale
     row_offset = np.resize(np.asarray(offsets, dtype=dtype), lq)[:, None]  # [Lq, 1]
     bias = np.broadcast_to(row_offset, (lq, 50)).astype(dtype)
-    if lq == 300:  # blocks of 64 rows: offset rows up to 150, so some blocks mix both kinds
-        monkeypatch.setattr(numpy_backend, "_BLOCK_ELEMENTS", 4 * 50 * 64)
+    if lq == 300:  # offset rows up to 150, so some blocks mix both kinds
         bias = np.where(np.arange(lq)[:, None] < 150, bias, np.zeros_like(bias))
         row_offset = bias[:, :1]
     if offset_by == "bias":
@@ -232,9 +233,9 @@ def test_numpy_softmax_without_max_pass_or_with_it(
         q_off = np.concatenate([q / 4, np.broadcast_to(row_offset, (1, 4, lq, 1))], axis=-1)
         k_one = np.concatenate([k, np.ones((1, 4, 50, 1), dtype=dtype)], axis=-1)
         args = {"q": q_off.astype(dtype), "k": k_one, "v": v, "scale": 1.0}
-    if path == "portable:blockwise":
-        args.update(implementation="portable", chunk_size=64)
-    assert plan(**args).path == path
+    if chunk_size is not None:
+        args.update(chunk_size=chunk_size)
+    assert plan(**args).path == "portable:blockwise"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, lse = attend(**args, return_lse=True)
@@ -250,6 +251,7 @@ def test_numpy_softmax_without_max_pass_or_with_it(
 @pytest.mark.parametrize("scale", [2.5e38, 3.4e38])
 def test_numpy_kernel_scale_near_the_float32_max(scale: float) -> None:
     """A scale whose ``scale * log2(e)`` passes float32's max: the kernel keeps ``exp``
+    (``_blockwise.base2_scores``)
     (the factor, cast to float32, would be inf and every score NaN) and matches the oracle."""
     rng = rng_for("huge scale", scale)
     q, k, v = (randn(rng, (1, 2, n, 4)).astype(np.float32) * 1e-38 for n in (3, 5, 5))
@@ -261,8 +263,8 @@ def test_numpy_kernel_scale_near_the_float32_max(scale: float) -> None:
 
 
 @requires_backend("numpy")
-@pytest.mark.parametrize("path", ["tuned:numpy", "portable:blockwise"])
-def test_numpy_kernel_takes_longdouble(path: str) -> None:
+@pytest.mark.parametrize("chunk_size", [None, 4], ids=["auto", "chunk4"])
+def test_numpy_kernel_takes_longdouble(chunk_size: int | None) -> None:
     """NumPy's extended precision (not an array-API dtype, but a NumPy array) runs the
     kernel in that precision, large row offsets included: -12000 puts every exp of its
     row below longdouble's smallest normal number (whose square root the first try
@@ -271,9 +273,9 @@ def test_numpy_kernel_takes_longdouble(path: str) -> None:
     q, k, v = (randn(rng, (1, 2, n, 8)).astype(np.longdouble) for n in (6, 9, 9))
     bias = np.asarray([[0.0], [900.0], [-12000.0], [0.0], [20000.0], [0.0]], dtype=np.longdouble)
     args: dict[str, Any] = {"bias": np.broadcast_to(bias, (6, 9)).copy()}
-    if path == "portable:blockwise":
-        args.update(implementation="portable", chunk_size=4)
-    assert plan(q, k, v, **args).path == path
+    if chunk_size is not None:
+        args.update(chunk_size=chunk_size)
+    assert plan(q, k, v, **args).path == "portable:blockwise"
     out, lse = attend(q, k, v, return_lse=True, **args)
     assert out.dtype == lse.dtype == np.longdouble
     ref_out, _, ref_lse = oracle.attention(q, k, v)

@@ -3,7 +3,7 @@
 Every property draws whole calls (:mod:`strategies`: ranks 2-5, grouped and multi-query
 heads, ``Lq``/``Lk`` 0-300, ``Dk != Dv``, every dtype the backend has, masks from the
 builders and raw, fully masked rows and batches, biases with ``-inf``, causal, window,
-scale, softcap, chunk sizes) and a path (``auto`` -- NumPy's tuned kernel on NumPy --,
+scale, softcap, chunk sizes) and a path (``auto`` -- NumPy's blockwise path on NumPy --,
 ``portable``, ``fused`` where :func:`plan` allows it, ``chunked`` through ``chunk_size``);
 the backend is a pytest parameter (every selected backend, array_api_strict under its jit
 flags), never drawn.

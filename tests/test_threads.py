@@ -1,7 +1,7 @@
 """Thread safety: concurrent ``attend`` calls give exactly the serial results.
 
-Calls from several threads mix backends, shapes, options and paths (the NumPy kernel's
-own threaded blocks included, torch SDPA, the portable dense and chunked paths, seeded
+Calls from several threads mix backends, shapes, options and paths (NumPy's threaded
+query blocks included, torch SDPA, the portable dense and chunked paths, seeded
 dropout), in shuffled order; the call memo is made small so that it evicts entries again
 and again while other threads read it and insert.
 Results are compared bit for bit with serial calls of the same arguments.
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import _memo, attend, plan
-from portable_attention.backends import numpy_kernel as numpy_backend
+from portable_attention.backends import numpy_loop
 from portable_attention.testing import tolerance
 
 from conftest import BACKENDS, BY_NAME, Backend, requires_backend
@@ -73,12 +73,12 @@ def _bind(q: Any, k: Any, v: Any, kw: dict[str, Any]) -> Callable[[], Any]:
 
 
 def _numpy_threaded_jobs() -> list[Job]:
-    """Calls big enough (4M scores) for the NumPy kernel's own threaded query blocks."""
+    """Calls big enough (4M scores) for NumPy's threaded query blocks."""
     rng = rng_for("threads", "numpy-big")
     q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
     mask = rng.random((512, 512)) < 0.8
-    assert plan(q, k, v).path == "tuned:numpy"
-    assert q.size // 16 * 512 >= numpy_backend._THREADS_MIN_ELEMENTS  # threads, or no test
+    assert plan(q, k, v).path == "portable:blockwise"
+    assert q.size // 16 * 512 >= numpy_loop.THREADS_MIN_SCORES  # threads, or no test
     return [
         ("numpy-big", lambda: attend(q, k, v)),
         ("numpy-big-mask-causal", lambda: attend(q, k, v, mask=mask, causal=True, return_lse=True)),
@@ -129,7 +129,7 @@ def test_concurrent_calls_match_serial_all_backends() -> None:
     jobs = [(b, job) for b in BACKENDS for job in _jobs(b)]
     if "numpy" in BY_NAME:
         jobs += [(BY_NAME["numpy"], job) for job in _numpy_threaded_jobs()]
-    with _blas_on_one_thread():  # the NumPy kernel's own threads run where it is
+    with _blas_on_one_thread():  # NumPy's worker threads run where it is
         _run_concurrently(jobs, repeats=3, workers=6)
 
 
@@ -190,8 +190,8 @@ def _blas_threads() -> list[int]:
 
 
 def _blas_on_one_thread() -> Any:
-    """threadpoolctl's limit of every BLAS to one thread (the user's opt-in to the NumPy
-    kernel's own threads), or nothing where threadpoolctl is not installed."""
+    """threadpoolctl's limit of every BLAS to one thread (the user's opt-in to NumPy's
+    worker threads), or nothing where threadpoolctl is not installed."""
     try:
         import threadpoolctl
     except ImportError:
@@ -200,9 +200,9 @@ def _blas_on_one_thread() -> Any:
 
 
 @requires_backend("numpy")
-def test_numpy_kernel_leaves_the_blas_thread_count_alone() -> None:
+def test_numpy_leaves_the_blas_thread_count_alone() -> None:
     """While big calls run on other threads (4M scores and more: the size that runs the
-    kernel's own threads when the BLAS is on one), the BLAS thread count read from this
+    loop's worker threads when the BLAS is on one), the BLAS thread count read from this
     thread stays what it was: the count is process-wide, and the kernel once pinned it to
     1 for the length of each call, slowing the BLAS work of the user's other threads."""
     before = _blas_threads()
@@ -233,29 +233,29 @@ def test_numpy_kernel_leaves_the_blas_thread_count_alone() -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_kernel_threads_where_the_blas_is_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``threadpool_limits(1, "blas")`` a big call runs the kernel's own threads,
+def test_numpy_threads_where_the_blas_is_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``threadpool_limits(1, "blas")`` a big call runs NumPy's worker threads,
     with the same numbers as the same call on this thread and a threaded BLAS (to the
     tolerance: a matrix product of other block sizes may round otherwise); it leaves the
     user's limit as it found it."""
     before = _blas_threads()
     if not before:
-        pytest.skip("threadpoolctl finds no BLAS: the kernel runs no threads of its own")
+        pytest.skip("threadpoolctl finds no BLAS: the loop runs no threads of its own")
     (_, big), (_, masked) = _numpy_threaded_jobs()
     want = [big(), *masked()]
     pools: list[Any] = []
-    executor = numpy_backend._executor
+    executor = numpy_loop._executor
 
-    def counted() -> Any:  # the kernel's own pool, counted each time a call takes it
+    def counted() -> Any:  # the loop's pool, counted each time a call takes it
         pools.append(executor())
         return pools[-1]
 
-    monkeypatch.setattr(numpy_backend, "_executor", counted)
+    monkeypatch.setattr(numpy_loop, "_executor", counted)
     big()
     assert pools == [] or max(before) == 1  # a threaded BLAS: the call ran on this thread
     with _blas_on_one_thread():
         got = [big(), *masked()]
-        assert len(pools) >= 1 or numpy_backend._WORKERS == 1
+        assert len(pools) >= 1 or numpy_loop.WORKERS == 1
         assert max(_blas_threads()) == 1
     rtol, atol = tolerance("float32")
     for g, w in zip(got, want, strict=True):
@@ -267,10 +267,10 @@ import os, threading
 import numpy as np
 import threadpoolctl
 from portable_attention import attend
-from portable_attention.backends import numpy_kernel as nb
+from portable_attention.backends import numpy_loop as nl
 
 q = np.random.default_rng(0).standard_normal((1, 8, 1024, 32), dtype=np.float32)
-assert q.shape[1] * q.shape[2] ** 2 >= nb._THREADS_MIN_ELEMENTS  # the threaded kernel
+assert q.shape[1] * q.shape[2] ** 2 >= nl.THREADS_MIN_SCORES  # the threaded loop
 with threadpoolctl.threadpool_limits(1, user_api="blas"):  # its own threads, in both
     want = attend(q, q, q)  # the parent starts the pool
     assert any(t.name.startswith("portable_attention") for t in threading.enumerate())
