@@ -1021,6 +1021,86 @@ def test_torch_func_vmap_of_a_score_mod_call_in_grad_mode() -> None:
     torch.testing.assert_close(torch.func.vmap(f)(q), torch.stack([f(x) for x in q]))
 
 
+def test_key_runs_of_the_grid() -> None:
+    """``_block_grid.merged``: runs of up to ``blocks`` consecutive key blocks that the
+    band keeps whole become one step; a block the band cuts stays alone; without a band
+    every pair is whole."""
+    from portable_attention import _block_grid, _options, _spec
+    from portable_attention._block_loop import BlockLoop
+
+    q = np.zeros((1, 1, 256, 4))
+
+    def grid(**options: Any) -> list[list[Any]]:
+        call = _spec.validate_call(q, q, q, _options.options(chunk_size=64, **options))
+        run = _block_grid.prepared(call, BlockLoop(np), q, q, q, None, None, None)
+        table = _block_grid.partners(_block_grid.pairs(call, 64), run.nq, by_keys=False)
+        return _block_grid.merged(call, run, table, 2)
+
+    assert grid(causal=True) == [[0], [(0, 1), 1], [(0, 2), 2], [(0, 2), (2, 3), 3]]
+    assert grid() == [[(0, 2), (2, 4)]] * 4
+    assert grid(causal="upper_left", window=(64, None)) == [[0], [0, 1], [1, 2], [2, 3]]
+
+
+@requires_backend("numpy")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"causal": "upper_left"}, {"mask": True}, {"bias": True}],
+    ids=["plain", "causal", "upper_left", "mask", "bias"],
+)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_key_runs_match_oracle(
+    options: dict[str, Any], dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NumPy's ``auto`` forward in runs of key blocks (blocks of 64, runs of up to 2:
+    budgets made small) matches the float64 oracle, Lq < Lk and neither a multiple of the
+    block; the runs did form. float32 takes the base-2 exponentials (but with the bias)."""
+    from portable_attention import _block_grid, _blockwise, _core
+    from portable_attention.backends import numpy_loop
+
+    monkeypatch.setattr(_core, "CHUNK_BUDGET", 64 * 64 * 4)
+    monkeypatch.setattr(numpy_loop, "SPAN_SCORES", 64 * 128 * 4)
+    made: list[list[list[Any]]] = []
+    merged = _block_grid.merged
+
+    def spy(*args: Any) -> list[list[Any]]:
+        made.append(merged(*args))
+        return made[-1]
+
+    monkeypatch.setattr(_blockwise, "merged", spy)
+    rng = rng_for("key-runs", dtype, str(sorted(options)))
+    q = randn(rng, (2, 2, 150, 8)).astype(dtype)
+    k, v = (randn(rng, (2, 2, 230, 8)).astype(dtype) for _ in range(2))
+    kwargs = dict(options)
+    if kwargs.get("mask"):
+        kwargs["mask"] = rng.random((150, 230)) < 0.7
+    if kwargs.get("bias"):
+        kwargs["bias"] = randn(rng, (2, 1, 150, 230)).astype(dtype)
+    assert plan(q, k, v, **kwargs).path == "portable:blockwise"
+    out, lse = attend(q, k, v, return_lse=True, **kwargs)
+    ref_out, _, ref_lse = oracle.attention(*(x.astype(np.float64) for x in (q, k, v)), **kwargs)
+    assert_close(out.astype(np.float64), ref_out, dtype)
+    assert_close(lse.astype(np.float64), ref_lse, dtype, what="lse")
+    assert any(isinstance(step, tuple) and step[1] - step[0] > 1 for r in made[-1] for step in r)
+
+
+def test_query_block_whose_key_blocks_are_all_skipped(backend: Backend) -> None:
+    """Segment ids that leave the first query blocks no key: every key block is skipped
+    there (eager loops read it on the host), and those rows get 0 and lse -inf, the
+    others the oracle's, float64."""
+    rng = rng_for("all-skipped")
+    q, k, v = (randn(rng, (1, 2, 96, 8)) for _ in range(3))
+    q_ids = np.repeat([7, 0, 1], [40, 30, 26])
+    kv_ids = np.repeat([0, 1], [50, 46])
+    ids = (backend.asarray(q_ids[None], "int64"), backend.asarray(kv_ids[None], "int64"))
+    args = [backend.asarray(x, "float64") for x in (q, k, v)]
+    out, lse = attend(*args, segment_ids=ids, chunk_size=16, return_lse=True)
+    out, lse = backend.to_numpy(out), backend.to_numpy(lse)
+    assert np.all(out[..., :40, :] == 0) and np.all(np.isneginf(lse[..., :40]))
+    ref_out, _, ref_lse = oracle.attention(q, k, v, segment_ids=(q_ids[None], kv_ids[None]))
+    assert_close(out, ref_out, "float64")
+    assert_close(lse[..., 40:], ref_lse[..., 40:], "float64", what="lse")
+
+
 @requires_backend("numpy")
 def test_numpy_auto_runs_the_blockwise_path() -> None:
     """No autodiff on NumPy, nothing saved: ``auto`` runs the blockwise path at every
