@@ -282,6 +282,42 @@ print("child exit", os.waitstatus_to_exitcode(status))
 """
 
 
+_NESTED = """
+import os, threading
+import numpy as np
+import threadpoolctl
+import portable_attention as pa
+
+q = np.random.default_rng(0).standard_normal((1, 8, 1024, 32), dtype=np.float32)
+inner = []
+
+
+def score_mod(s, b, h, q_idx, kv_idx):
+    if threading.current_thread().name.startswith("portable_attention") and not inner:
+        inner.append(pa.attend(q, q, q))  # a big call from a pool thread
+    return s
+
+
+with threadpoolctl.threadpool_limits(1, user_api="blas"):
+    done = []
+    t = threading.Thread(target=lambda: done.append(pa.attend(q, q, q, score_mod=score_mod)))
+    t.start()
+    t.join(60)
+    ok = not t.is_alive() and np.allclose(done[0], pa.attend(q, q, q), atol=1e-5) and bool(inner)
+    print("ok" if ok else ("hung" if t.is_alive() else "wrong"), flush=True)
+os._exit(0)
+"""
+
+
+@requires_backend("numpy")
+def test_threaded_call_inside_a_pool_thread() -> None:
+    """A ``score_mod`` that makes a big NumPy call of its own while it runs on one of the
+    loop's pool threads: the inner call runs on that thread (its helpers would queue
+    behind it), and neither call waits for the other forever."""
+    _blas_threads()
+    assert run_python(_NESTED, timeout=120).strip() == "ok"
+
+
 @requires_backend("numpy")
 def test_threaded_kernel_in_a_forked_child() -> None:
     """A child forked after the parent's threaded call (multiprocessing's default on Linux

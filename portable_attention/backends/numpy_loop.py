@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -31,50 +32,78 @@ from portable_attention._block_loop import BlockLoop, Body, joined
 SPAN_SCORES = 1 << 22
 #: Below this many scores in all, threads cost more than they give.
 THREADS_MIN_SCORES = 1 << 22
-WORKERS = max(1, min(4, os.cpu_count() or 1))  # this thread and WORKERS - 1 in the pool
+#: This thread and ``WORKERS - 1`` in the pool: at most 4, no more than the cores this
+#: process may run on.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+WORKERS = max(1, min(4, _CORES or 1))
+_PREFIX = "portable_attention"
 _pool: ThreadPoolExecutor | None = None
 _blas: Any = None  # threadpoolctl's BLAS controllers, False when it is not installed
 
 
 class NumpyLoop(BlockLoop):
     """The array-API loops; each step of the forward over up to :data:`SPAN_SCORES`
-    scores where consecutive key blocks need no mask; the forward's query blocks on
-    :data:`WORKERS` threads where the module docstring says."""
+    scores where the ``causal``/``window`` band does not cut consecutive key blocks; the
+    forward's query blocks on :data:`WORKERS` threads where the module docstring says."""
 
     def __init__(self, xp: Any, call: Any) -> None:
         super().__init__(xp, call.device)
-        scores = math.prod(call.q_shape[:-1]) * call.k_shape[-2]
-        big = scores >= THREADS_MIN_SCORES and not call.dropout and WORKERS > 1
-        self.threaded = big and blas_on_one_thread(_blas_controller())
+        self.call = call
 
     def key_span(self, call: Any, size: int) -> int:
         rows = min(size, call.q_shape[-2]) * math.prod(call.q_shape[:-2])
         return max(size, SPAN_SCORES // max(rows, 1))
 
     def each(self, body: Body, indices: Sequence[int], axes: tuple[int, ...]) -> tuple[Any, ...]:
-        if not self.threaded or len(indices) < 2:
+        if len(indices) < 2 or not _threaded(self.call):
             return super().each(body, indices, axes)
         results: dict[int, tuple[Any, ...]] = {}
-        todo = iter(indices)
+        todo, lock, failed = iter(indices), threading.Lock(), threading.Event()
 
-        def drain() -> None:  # takes blocks until none is left (next() holds the GIL)
-            for index in todo:
-                results[index] = body((), index)[1]
+        def drain() -> None:  # takes blocks until none is left or one failed
+            while not failed.is_set():
+                with lock:
+                    index = next(todo, None)
+                if index is None:
+                    return
+                try:
+                    results[index] = body((), index)[1]
+                except BaseException:
+                    failed.set()
+                    raise
 
         helpers = [_executor().submit(drain) for _ in range(min(WORKERS, len(indices)) - 1)]
         try:
             drain()  # this thread works too: one thread fewer to wake
-        finally:  # no helper may still be writing when the call ends; an error here wins
+        finally:
+            # A helper still queued (the pool busy with other calls' blocks) is not waited
+            # for: this thread did its share. No started one may still be writing when the
+            # call ends; an error here wins.
+            for helper in helpers:
+                helper.cancel()
             futures.wait(helpers)
         for helper in helpers:
-            helper.result()
+            if not helper.cancelled():
+                helper.result()
         return joined(self.xp, [results[i] for i in indices], axes)
+
+
+def _threaded(call: Any) -> bool:
+    """Whether the forward's query blocks run on threads (the module docstring): not on
+    a pool thread itself (a ``score_mod`` that calls ``attend``: its helpers would queue
+    behind it)."""
+    scores = math.prod(call.q_shape[:-1]) * call.k_shape[-2]
+    if scores < THREADS_MIN_SCORES or call.dropout or WORKERS < 2:
+        return False
+    if threading.current_thread().name.startswith(_PREFIX):
+        return False
+    return blas_on_one_thread(_blas_controller())
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="portable_attention")
+        _pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix=_PREFIX)
     return _pool
 
 
