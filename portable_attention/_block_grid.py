@@ -3,9 +3,10 @@ one pass's view of a call's operands on its blocks (:class:`Pass`): slices, mask
 
 Both passes of :mod:`portable_attention._blockwise` walk the same static grid of ``size x
 size`` blocks (:func:`block_size`) and skip the blocks that ``causal``/``window`` (and a
-block plan) mask entirely (:func:`pairs`). A block is addressed by spans ``(start,
-length)``, whose start is a Python int on a static loop and a traced integer on a compiled
-one (:class:`~portable_attention._block_loop.BlockLoop`).
+block plan) mask entirely (:func:`pairs`); the forward may take a run of consecutive key
+blocks that the band keeps whole in one step where its loop asks (:func:`merged`). A block
+is addressed by spans ``(start, length)``, whose start is a Python int on a static loop
+and a traced integer on a compiled one (:class:`~portable_attention._block_loop.BlockLoop`).
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ class BlockMath:
     base2 = False
 
     def exp(self, s: Any, *, base2: bool = False) -> Any:
-        """``exp(s)`` (``2**s`` with ``base2``, where :attr:`base2` says so)."""
-        return self.xp.exp(s)
+        """``exp(s)`` (``2**s`` with ``base2``, asked only where :attr:`base2` says so)."""
+        return 2.0**s if base2 else self.xp.exp(s)
 
     def row_sum(self, e: Any) -> Any:
         """``e``'s sums over its last axis, that axis kept (length 1)."""
@@ -66,7 +66,7 @@ class BlockMath:
     def exp_shifted(self, s: Any, shift: Any, *, base2: bool = False) -> Any:
         """``exp(s - shift)`` (``shift`` broadcasts: one value per row; ``2**(s -
         shift)`` with ``base2``)."""
-        return self.xp.exp(s - shift)
+        return 2.0 ** (s - shift) if base2 else self.xp.exp(s - shift)
 
     def masked(self, s: Any, allow: Any) -> Any:
         """``s`` with ``-inf`` where ``allow`` (which broadcasts to ``s``) is False."""

@@ -10,7 +10,9 @@ entirely (:mod:`portable_attention._block_grid`); where a loop asks for it
 need no mask in one step (:func:`~portable_attention._block_grid.merged`):
 
 - :func:`forward`: the online softmax (running max and sum) of every query block over its
-  key blocks; returns ``(out, lse)``. Peak memory ``O(Lq * Dv + size**2)`` per head.
+  key blocks; returns ``(out, lse)``. Peak memory ``O(Lq * Dv + size**2)`` per head
+  (a step over a run of key blocks: up to the loop's ``key_span`` keys instead of
+  ``size``; NumPy's, 4M scores over batch and heads, on each of its threads).
 - :func:`backward`: gradients from ``q, k, v, out, lse, dout`` alone, the probabilities of
   each block recomputed as ``exp(s - lse)``: ``delta = rowsum(dout * out)``,
   ``dv += p^T dout``, ``dp = dout v^T``, ``ds = p * (dp - delta)``, softcap's derivative,
@@ -236,7 +238,9 @@ def base2_scores(call: Call, math: BlockMath) -> bool:
     (:attr:`BlockMath.base2`), in float32, and without a softcap, a bias or a score_mod,
     which take scores in natural units. Not in float64: there the factor would cost exact
     inputs their exactness (at ``scale=1e6``, keys whose scores tie exactly got weights
-    1.6e-10 apart)."""
+    1.6e-10 apart). A score beyond float32's max over ``log2(e)`` (2.4e38) overflows in
+    base 2 where it would not in natural units (its row is NaN): such scores are no
+    softmax's in practice."""
     if not math.base2 or call.softcap is not None or call.bias_shape is not None:
         return False
     if call.score_mod or call.compute_dtype != call.xp.float32:

@@ -43,9 +43,9 @@ class Plan:
     path : str
         Three kinds, named ``kind:where``. ``"fused:torch"``, ``"fused:torch-flex"``,
         ``"fused:jax"``, ``"fused:cupy-via-torch"``: the framework's own fused kernel (SDPA,
-        FlexAttention compiled, ``jax.nn.dot_product_attention``). ``"tuned:numpy"``:
-        this package's NumPy-only blocked kernel; ``"tuned:jax"``: the dense path on
-        query blocks under ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``: ``attend`` on
+        FlexAttention compiled, ``jax.nn.dot_product_attention``). ``"tuned:jax"``: the
+        dense path on query blocks under ``lax.map`` (JAX on CPU); ``"per-chunk:dask"``:
+        ``attend`` on
         each batch/head chunk of dask arrays. ``"portable:dense"``: the array-API
         implementation with the whole score matrix (autodiff saves its probabilities for
         backward);
@@ -59,7 +59,8 @@ class Plan:
         blocks, a window that keeps under a quarter of the blocks, dense scores over 256
         MiB, or, for ``auto`` on torch and JAX, over 16 MiB of probabilities that
         autodiff would save; on torch's CPU, a window that SDPA would take as a dense
-        mask). Earlier names:
+        mask); NumPy's ``auto`` takes it at every size but with ``return_weights``.
+        Earlier names: ``tuned:numpy`` (NumPy's own kernel, now the blockwise path);
         ``native:*`` for ``tuned:*``/``per-chunk:dask``, ``portable`` for
         ``portable:dense`` and ``portable:chunked`` for one of the two spellings of
         ``portable:blockwise`` (docs/migrating.md).

@@ -85,6 +85,8 @@ def test_numpy_plan_is_blockwise_at_every_size() -> None:
     assert plan(q, k, v, return_weights=True).path == "portable:dense"
     assert plan(q, k, v, chunk_size=8).path == "portable:blockwise"
     assert plan(q, k, v, implementation="portable").path == "portable:dense"
+    big = np.zeros((1, 8, 1024, 64), np.float32)
+    assert plan(big, big, big, causal=True).path == "portable:blockwise"
 
 
 def test_large_dense_scores_take_the_chunked_path(backend: Backend) -> None:
@@ -158,15 +160,18 @@ def test_chunked_agrees_with_dense_on_many_blocks(
 
 @requires_backend("numpy")
 def test_numpy_threaded_kernel_matches_oracle() -> None:
-    """Big enough for NumPy's worker threads (4M scores) and several query blocks (they
-    run on threads only where the BLAS is on one: tests/test_threads.py)."""
+    """Big enough for NumPy's worker threads (4M scores) and several query blocks, run
+    with the BLAS on one thread (where the loop's threads run), causal with a mask and a
+    fully masked row."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
     rng = rng_for("threads")
     q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
     assert numpy_loop.THREADS_MIN_SCORES <= 2 * 8 * 512 * 512  # threads, or no test
     mask = rng.random((512, 512)) < 0.9
     mask[7] = False
     assert plan(q, k, v, mask=mask).path == "portable:blockwise"
-    out, lse = attend(q, k, v, mask=mask, causal=True, return_lse=True)
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        out, lse = attend(q, k, v, mask=mask, causal=True, return_lse=True)
     ref_out, _, ref_lse = oracle.attention(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask, causal=True
     )
@@ -208,7 +213,9 @@ def test_numpy_softmax_without_max_pass_or_with_it(
     they do not, in the blockwise kernel's first try (``Adapter.unshifted_exp``; runs of
     key blocks under ``auto``, square blocks of 64 with ``chunk_size``): every row matches
     the oracle either way, lse included, and NumPy warns of nothing (the overflow of a
-    first try is not the caller's).
+    first try is not the caller's). With ``lq=300`` rows up to 150 are offset: under
+    ``chunk_size`` some blocks of 64 mix both kinds of row; under ``auto`` the one query
+    block does.
     "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division.
 
     The row offsets come from a bias, or from one more feature of q and k (q holds the
@@ -251,8 +258,8 @@ def test_numpy_softmax_without_max_pass_or_with_it(
 @pytest.mark.parametrize("scale", [2.5e38, 3.4e38])
 def test_numpy_kernel_scale_near_the_float32_max(scale: float) -> None:
     """A scale whose ``scale * log2(e)`` passes float32's max: the kernel keeps ``exp``
-    (``_blockwise.base2_scores``)
-    (the factor, cast to float32, would be inf and every score NaN) and matches the oracle."""
+    (``_blockwise.base2_scores``: the factor, cast to float32, would be inf and every score
+    NaN) and matches the oracle."""
     rng = rng_for("huge scale", scale)
     q, k, v = (randn(rng, (1, 2, n, 4)).astype(np.float32) * 1e-38 for n in (3, 5, 5))
     v = v * 1e38

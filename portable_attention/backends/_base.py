@@ -70,7 +70,7 @@ MemoKeys = tuple[Callable[[Any], Any], Callable[[Any, Any, Any], Any]]
 class Kernel(ABC):
     """A kernel besides the portable path, with the reasons the planner reports."""
 
-    #: The plan's path while this kernel runs (``"fused:torch"``, ``"tuned:numpy"``).
+    #: The plan's path while this kernel runs (``"fused:torch"``, ``"tuned:jax"``).
     path: ClassVar[str]
     #: The plan's reason while this kernel runs, in words.
     why: ClassVar[str]

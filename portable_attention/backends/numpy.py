@@ -32,7 +32,7 @@ class NumpyAdapter(GenericAdapter):
     def blockwise_reason(self, call: _spec.Call) -> str | None:
         return (
             "NumPy runs the blockwise path's steps in place, over long spans of keys where "
-            "no mask cuts them"
+            "the causal/window band does not cut them"
         )
 
     def block_loop(self, call: _spec.Call) -> BlockLoop:
