@@ -59,7 +59,7 @@ class Plan:
         blocks, a window that keeps under a quarter of the blocks, dense scores over 256
         MiB, or, for ``auto`` on torch and JAX, over 16 MiB of probabilities that
         autodiff would save; on torch's CPU, a window that SDPA would take as a dense
-        mask); NumPy's ``auto`` takes it at every size but with ``return_weights``.
+        mask); NumPy's ``auto`` takes it from 64K scores on but with ``return_weights``.
         Earlier names: ``tuned:numpy`` (NumPy's own kernel, now the blockwise path);
         ``native:*`` for ``tuned:*``/``per-chunk:dask``, ``portable`` for
         ``portable:dense`` and ``portable:chunked`` for one of the two spellings of

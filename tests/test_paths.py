@@ -74,19 +74,24 @@ def test_jax_plan_on_cpu_prefers_portable_by_measurement() -> None:
 
 
 @requires_backend("numpy")
-def test_numpy_plan_is_blockwise_at_every_size() -> None:
-    """NumPy has no kernel of its own: ``auto`` runs the one blockwise kernel, small
-    calls included, but for the weights (the whole score matrix)."""
+def test_numpy_plan_is_blockwise_from_64k_scores() -> None:
+    """NumPy has no kernel of its own: ``auto`` runs the one blockwise kernel from 64K
+    scores on (batch and heads included), the dense path below and for the weights (the
+    whole score matrix)."""
+    from portable_attention.backends import numpy as numpy_backend
+
     backend = BY_NAME["numpy"]
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
-    p = plan(q, k, v, causal=True, softcap=3.0)
+    assert plan(q, k, v, causal=True).path == "portable:dense"
+    assert plan(q, k, v, chunk_size=8).path == "portable:blockwise"
+    assert numpy_backend.BLOCKWISE_MIN_SCORES == 8 * 8 * 1024  # the calls below
+    q, kv = np.zeros((1, 8, 8, 64), np.float32), np.zeros((1, 8, 1024, 64), np.float32)
+    p = plan(q, kv, kv, causal=True, softcap=3.0)
     assert p.path == "portable:blockwise"
     assert "no fused attention kernel" in p.reason and "in place" in p.reason
-    assert plan(q, k, v, return_weights=True).path == "portable:dense"
-    assert plan(q, k, v, chunk_size=8).path == "portable:blockwise"
-    assert plan(q, k, v, implementation="portable").path == "portable:dense"
-    big = np.zeros((1, 8, 1024, 64), np.float32)
-    assert plan(big, big, big, causal=True).path == "portable:blockwise"
+    assert plan(q, kv[..., :1023, :], kv[..., :1023, :]).path == "portable:dense"
+    assert plan(q, kv, kv, return_weights=True).path == "portable:dense"
+    assert plan(q, kv, kv, implementation="portable").path == "portable:dense"
 
 
 def test_large_dense_scores_take_the_chunked_path(backend: Backend) -> None:
@@ -205,17 +210,16 @@ _OFFSETS = {
 @pytest.mark.parametrize("case", ["fast", "beyond", "under", "subnormal", "huge_v"])
 @pytest.mark.parametrize("lq", [40, 300], ids=["one_block", "blocks"])
 @pytest.mark.parametrize("offset_by", ["bias", "q"])
-@pytest.mark.parametrize("chunk_size", [None, 64], ids=["auto", "chunk64"])
+@pytest.mark.parametrize("chunk_size", [64, 256], ids=["chunk64", "one_key_block"])
 def test_numpy_softmax_without_max_pass_or_with_it(
     dtype: str, case: str, lq: int, offset_by: str, chunk_size: int | None
 ) -> None:
     """NumPy's softmax skips the row max where the row sums allow it, and falls back where
-    they do not, in the blockwise kernel's first try (``Adapter.unshifted_exp``; runs of
-    key blocks under ``auto``, square blocks of 64 with ``chunk_size``): every row matches
+    they do not, in the blockwise kernel's first try (``Adapter.unshifted_exp``; square
+    blocks of 64, or blocks of 256: all 50 keys in one): every row matches
     the oracle either way, lse included, and NumPy warns of nothing (the overflow of a
-    first try is not the caller's). With ``lq=300`` rows up to 150 are offset: under
-    ``chunk_size`` some blocks of 64 mix both kinds of row; under ``auto`` the one query
-    block does.
+    first try is not the caller's). With ``lq=300`` rows up to 150 are offset, so some
+    query blocks mix both kinds of row.
     "huge_v": sums in range but ``exp(scores) @ V`` overflows before its division.
 
     The row offsets come from a bias, or from one more feature of q and k (q holds the
@@ -240,8 +244,7 @@ def test_numpy_softmax_without_max_pass_or_with_it(
         q_off = np.concatenate([q / 4, np.broadcast_to(row_offset, (1, 4, lq, 1))], axis=-1)
         k_one = np.concatenate([k, np.ones((1, 4, 50, 1), dtype=dtype)], axis=-1)
         args = {"q": q_off.astype(dtype), "k": k_one, "v": v, "scale": 1.0}
-    if chunk_size is not None:
-        args.update(chunk_size=chunk_size)
+    args.update(chunk_size=chunk_size)
     assert plan(**args).path == "portable:blockwise"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -270,8 +273,8 @@ def test_numpy_kernel_scale_near_the_float32_max(scale: float) -> None:
 
 
 @requires_backend("numpy")
-@pytest.mark.parametrize("chunk_size", [None, 4], ids=["auto", "chunk4"])
-def test_numpy_kernel_takes_longdouble(chunk_size: int | None) -> None:
+@pytest.mark.parametrize("chunk_size", [4, 16], ids=["chunk4", "one_block"])
+def test_numpy_kernel_takes_longdouble(chunk_size: int) -> None:
     """NumPy's extended precision (not an array-API dtype, but a NumPy array) runs the
     kernel in that precision, large row offsets included: -12000 puts every exp of its
     row below longdouble's smallest normal number (whose square root the first try
@@ -280,8 +283,7 @@ def test_numpy_kernel_takes_longdouble(chunk_size: int | None) -> None:
     q, k, v = (randn(rng, (1, 2, n, 8)).astype(np.longdouble) for n in (6, 9, 9))
     bias = np.asarray([[0.0], [900.0], [-12000.0], [0.0], [20000.0], [0.0]], dtype=np.longdouble)
     args: dict[str, Any] = {"bias": np.broadcast_to(bias, (6, 9)).copy()}
-    if chunk_size is not None:
-        args.update(chunk_size=chunk_size)
+    args.update(chunk_size=chunk_size)
     assert plan(q, k, v, **args).path == "portable:blockwise"
     out, lse = attend(q, k, v, return_lse=True, **args)
     assert out.dtype == lse.dtype == np.longdouble

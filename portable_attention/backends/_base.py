@@ -213,9 +213,10 @@ class Adapter(ABC):
         return BlockMath(xp)
 
     def blockwise_reason(self, call: Call) -> str | None:
-        """Why ``auto`` takes the blockwise path for a call that no kernel takes, whatever
-        its size (where the framework runs it faster than the dense path); None where the
-        size rules of :func:`~portable_attention._plan.portable_plan` decide."""
+        """Why ``auto`` takes the blockwise path for a call that no kernel takes, at sizes
+        where the size rules of :func:`~portable_attention._plan.portable_plan` would give
+        the dense path (the framework runs it faster there); None where those rules
+        decide."""
         return None
 
     def block_loop(self, call: Call) -> BlockLoop:
