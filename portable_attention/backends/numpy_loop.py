@@ -1,6 +1,7 @@
 """NumPy's loops of the blockwise path (:class:`NumpyLoop`): the array-API loops, with
-each step of the forward over a long span of keys where no mask cuts it, and the forward's
-query blocks on worker threads where the user has put the BLAS on one thread.
+each step of the forward over a long span of keys where the ``causal``/``window`` band does
+not cut it, and the forward's query blocks on worker threads where the user has put the
+BLAS on one thread.
 
 Threads: for calls of 4M scores and more without dropout, when ``threadpoolctl`` is
 installed and shows every BLAS library on one thread already (``OPENBLAS_NUM_THREADS=1``,
