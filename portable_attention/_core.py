@@ -50,10 +50,14 @@ DENSE_LIMIT_BYTES = 256 << 20
 SAVED_LIMIT_BYTES = 16 << 20
 
 
+def score_count(call: Call) -> int:
+    """Scores of the whole score matrix, over batch and heads."""
+    return math.prod(call.q_shape[:-1]) * call.k_shape[-2]
+
+
 def dense_bytes(call: Call) -> int:
     """Bytes of the whole score matrix in the compute dtype (NumPy's longdouble: 16)."""
-    itemsize = call.xp.finfo(call.compute_dtype).bits // 8
-    return math.prod(call.q_shape[:-1]) * call.k_shape[-2] * itemsize
+    return score_count(call) * (call.xp.finfo(call.compute_dtype).bits // 8)
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,12 @@ and on worker threads (:mod:`~portable_attention.backends.numpy_loop`).
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
 import numpy as np
 
-from portable_attention import _spec
+from portable_attention import _core, _spec
 from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
 from portable_attention._checks import shape_of, type_name
@@ -38,7 +37,7 @@ class NumpyAdapter(GenericAdapter):
     def blockwise_reason(self, call: _spec.Call) -> str | None:
         # Below 64K scores the dense path's fewer Python steps win (decode, 8 heads x 512
         # keys: 66 us against 112; [1, 8, 128, 128]: 536 against 445 the other way).
-        if math.prod(call.q_shape[:-1]) * call.k_shape[-2] < BLOCKWISE_MIN_SCORES:
+        if _core.score_count(call) < BLOCKWISE_MIN_SCORES:
             return None
         return (
             "NumPy runs the blockwise path's steps in place, over long spans of keys where "

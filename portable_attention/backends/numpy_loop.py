@@ -27,6 +27,7 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from portable_attention import _core
 from portable_attention._block_loop import BlockLoop, Body, joined
 
 #: Scores per step of the forward, over all batch and head dims (16 MiB of float32).
@@ -93,8 +94,7 @@ def _threaded(call: Any) -> bool:
     """Whether the forward's query blocks run on threads (the module docstring): not on
     a pool thread itself (a ``score_mod`` that calls ``attend``: its helpers would queue
     behind it)."""
-    scores = math.prod(call.q_shape[:-1]) * call.k_shape[-2]
-    if scores < THREADS_MIN_SCORES or call.dropout or WORKERS < 2:
+    if _core.score_count(call) < THREADS_MIN_SCORES or call.dropout or WORKERS < 2:
         return False
     if threading.current_thread().name.startswith(_PREFIX):
         return False
