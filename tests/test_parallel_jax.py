@@ -784,6 +784,14 @@ def test_errors() -> None:
             jax.device_put(jnp.zeros((1, 2, 32, 4)), NamedSharding(mesh, SEQ))
         )
 
+    def misspelled(q: Any) -> Any:  # an option attend does not take, named
+        return parallel.ulysses_attend(q, q, q, axis_name="s", casual=True)
+
+    with pytest.raises(TypeError, match=r"unexpected keyword.*'casual'.*causal"):
+        jax.shard_map(misspelled, mesh=mesh, in_specs=SEQ, out_specs=SEQ)(
+            jax.device_put(jnp.zeros((1, 8, 32, 4)), NamedSharding(mesh, SEQ))
+        )
+
 
 def test_ring_axis_of_a_two_dimensional_mesh() -> None:
     """The ring runs over one mesh axis; another shards the batch."""

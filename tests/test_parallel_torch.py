@@ -469,6 +469,12 @@ def _errors(ctx: dict[str, Any]) -> None:
         r"`invalid options`: rank 0 \S.*window",
         lambda: parallel.ulysses_attend(x, x, x, window=-1 if rank == 0 else 2),
     )
+    # An option attend does not take: every rank raises, naming it.
+    _expect(
+        TypeError,
+        r"unexpected keyword.*'casual'.*causal",
+        lambda: parallel.ulysses_attend(x, x, x, casual=True),
+    )
     # The same wrong option on every rank: attend's own error, on every rank.
     _expect(
         ValueError,

@@ -25,9 +25,10 @@ import importlib
 from typing import Any
 
 from portable_attention import _options, _spec
+from portable_attention._attention import run_call
 from portable_attention._checks import type_name
 from portable_attention._core import add_sinks
-from portable_attention.parallel import _documents
+from portable_attention.parallel import _agree, _documents
 from portable_attention.parallel._layout import (
     LAYOUTS,
     check_layout,
@@ -333,7 +334,10 @@ def ulysses_attend(
             f"[..., H, L, D], got q {tuple(q.shape)}, k {tuple(k.shape)}."
         )
         raise ValueError(msg)
-    link, size, index = module.ulysses_shard(axis_name, group, q, k, v, options, layout)
+    # The options normalised once (on torch.distributed, agreed by every rank first).
+    link, size, index, normalised = module.ulysses_shard(
+        axis_name, group, q, k, v, options, layout
+    )
     hq, hk = q.shape[-3], k.shape[-3]
     _check_heads(hq, hk, size)
     if hk % size != 0:  # P % Hk == 0: each shard's query heads use one K/V head
@@ -354,7 +358,9 @@ def ulysses_attend(
             options[name] = _global_heads(options[name], index * heads, name)
     if options.get("rng") is not None:
         options["rng"] = module.fold_rng(options["rng"], index)
-    result = _attend(qh, kh, vh, options)
+    arrays = {name: options.get(name) for name in _agree.GIVEN}
+    call = _spec.validate_call(qh, kh, vh, normalised, **arrays)
+    result = run_call(call, qh, kh, vh, **arrays)
     return_lse = bool(options.get("return_lse", False))
     items = list(result) if isinstance(result, tuple) else [result]
     back = []
@@ -380,12 +386,6 @@ def _global_heads(mod: Any, first: Any, name: str) -> Any:
         return mod(b, h + first, q_idx, kv_idx)
 
     return mask_mod
-
-
-def _attend(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Any:
-    from portable_attention import attend
-
-    return attend(q, k, v, **options)
 
 
 def _repeat_heads(xp: Any, x: Any, times: int) -> Any:

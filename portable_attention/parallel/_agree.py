@@ -4,6 +4,7 @@ the split of ``attend``'s keywords into option scalars and arrays/functions."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,16 @@ GIVEN = ("mask", "bias", "rng", "sinks", "segment_ids", "score_mod", "mask_mod")
 
 
 def scalars(options: dict[str, Any]) -> dict[str, Any]:
-    """attend's option keywords of ``options``, without its arrays and functions."""
+    """attend's option keywords of ``options``, without its arrays and functions; a
+    keyword ``attend`` does not take is a TypeError naming it."""
+    known = {field.name for field in dataclasses.fields(_options.Options)}
+    unknown = sorted(set(options) - known - set(GIVEN))
+    if unknown:
+        msg = (
+            f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options "
+            f"are attend's ({', '.join(sorted(known | set(GIVEN)))})."
+        )
+        raise TypeError(msg)
     return {name: value for name, value in options.items() if name not in GIVEN}
 
 

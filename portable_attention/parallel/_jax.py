@@ -79,9 +79,11 @@ def ulysses_shard(
     v: Any,
     options: dict[str, Any],
     layout: str,
-) -> tuple[Any, int, Any]:
-    """Ulysses' mesh axis, its size and this shard's (traced) index."""
-    return axis_name, axis_size(axis_name), shard_index(axis_name)
+) -> tuple[Any, int, Any, Options]:
+    """Ulysses' mesh axis, its size, this shard's (traced) index and the options,
+    normalised once."""
+    size = axis_size(axis_name)
+    return axis_name, size, shard_index(axis_name), _options.options(**_agree.scalars(options))
 
 
 def axis_size(axis_name: object) -> int:

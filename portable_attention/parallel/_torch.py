@@ -86,12 +86,12 @@ def ulysses_shard(
     v: Any,
     options: dict[str, Any],
     layout: str,
-) -> tuple[Any, int, int]:
-    """Ulysses' group, its size and this rank's index, once the ranks agreed on the
-    call (``attend`` then normalises the options on each rank)."""
+) -> tuple[Any, int, int, Options]:
+    """Ulysses' group, its size, this rank's index and the options, normalised once and
+    agreed by every rank."""
     link = resolve_group(group, q)
-    _agree.agree(check_agreement, link, q, k, v, options, layout)
-    return link, group_size(link), group_rank(link)
+    normalised = _agree.agree(check_agreement, link, q, k, v, options, layout)
+    return link, group_size(link), group_rank(link), normalised
 
 
 def fold_rng(rng: Any, index: int) -> Any:
