@@ -1,4 +1,5 @@
-"""The elementwise steps of the blockwise path's inner loops, as one small interface.
+"""The elementwise steps of the blockwise path's inner loops (and of the dense path, its
+one-block case), as one small interface.
 
 :mod:`portable_attention._blockwise` computes every block's scores, probabilities and
 gradients through a :class:`BlockMath`. This class is the array-API default: every step
@@ -89,6 +90,10 @@ class BlockMath:
     def mul(self, a: Any, b: Any) -> Any:
         """``a * b`` (``b`` of ``a``'s shape, or broadcasting to it)."""
         return a * b
+
+    def divided(self, a: Any, b: Any) -> Any:
+        """``a / b`` (``b`` of ``a``'s shape, or broadcasting to it)."""
+        return a / b
 
     def softcap_grad(self, ds: Any, t: Any) -> Any:
         """``ds * (1 - t**2)``: the gradient through ``softcap * tanh``. ``t`` is the

@@ -346,6 +346,7 @@ def block_scores(
     need_t: bool = False,
     zero_after: bool = False,
     score_fn: Callable[[Any, Any, Any], Any] | None = None,
+    slot: str | None = "scores",
 ) -> tuple[Any, Any]:
     """The score pipeline, written once: ``(s, t)`` of one block of the portable paths
     (the dense path's block is the whole matrix). ``s``: ``q @ k^T`` from operands whose
@@ -355,7 +356,8 @@ def block_scores(
     ``rows`` / ``cols``: the block's ``(start, length)``, for the ``score_mod``'s
     indices. ``score_fn(s, rows, cols)`` applies the ``score_mod`` instead (the
     blockwise backward's records its vector-Jacobian product). ``math``: the elementwise
-    steps (an adapter's in-place ones on the blockwise path).
+    steps (an adapter's, maybe in place); ``slot``: the product's (see
+    :meth:`BlockMath.product`; None: an array of its own).
 
     ``zero_after``: leave the mask out; the caller zeroes the masked probabilities after
     ``exp`` instead (where the scores are bounded): ``exp(-inf)`` takes about 5x the
@@ -364,7 +366,7 @@ def block_scores(
     if scores is not None:
         s = scores(qb, kb)
     else:
-        s = math.product(qb, xp.matrix_transpose(kb), slot="scores")
+        s = math.product(qb, xp.matrix_transpose(kb), slot=slot)
     t = None
     if call.softcap is not None:
         if need_t:
@@ -452,6 +454,7 @@ def dense(
     guarded: bool | None = None,
     band: bool = True,
     mods: Mods | None = None,
+    math: BlockMath | None = None,
 ) -> tuple[Any, Any, Any]:
     """Attention with the full ``[..., Lq, Lk]`` score matrix.
 
@@ -464,7 +467,9 @@ def dense(
     :func:`add_sinks`).
     An adapter may ask for them where they measure faster. ``band=False``: ``q`` may be
     a block of the call's query rows, and ``mask`` (cut to those rows) already holds
-    ``causal`` and ``window`` (JAX's query blocks, whose offset is traced).
+    ``causal`` and ``window`` (JAX's query blocks, whose offset is traced). ``math``: the
+    elementwise steps (the adapter's, which may write in place: the whole matrix is the
+    one block; functional where None).
     """
     if call.k_shape[-2] == 0:
         return empty_keys(call, q, k, v)
@@ -472,21 +477,25 @@ def dense(
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
     allow = dense_allow(call, ops, mods, band=band)
+    math = BlockMath(xp) if math is None or call.score_mod else math
+    # The weights come from the scores' own array: never from a product buffer that the
+    # next call writes again.
+    slot = None if call.return_weights else "scores"
     s, _ = block_scores(
         call, ops.q, ops.k, (0, lq), (0, lk), bias=ops.bias, mods=mods, allow=allow,
-        math=BlockMath(xp), scores=scores,
+        math=math, scores=scores, slot=slot,
     )  # fmt: skip
     if guarded is None:
         guarded = rows_may_be_empty(call)
-    e, denom, lse = _softmax_parts(xp, s, guarded=guarded)
+    e, denom, lse = _softmax_parts(xp, math, s, guarded=guarded)
     p = e
     if keep_mask is not None:
         p = inverted_dropout(xp, p, keep_mask, call.dropout)
     out, lse = ungrouped(call, xp.matmul(p, ops.v) / denom, lse, lq)
     weights = None
-    if call.return_weights:
+    if call.return_weights:  # (e is read no more: the weights may take its memory)
         weights = xp.astype(
-            caller_heads(call, e / denom, (*call.q_shape[:-2], lq, call.k_shape[-2])),
+            caller_heads(call, math.divided(e, denom), (*call.q_shape[:-2], lq, lk)),
             call.dtype,
             copy=False,
         )
@@ -540,21 +549,22 @@ def rows_may_be_empty(call: Call) -> bool:
     return not (call.mask_shape is None and call.bias_shape is None and band_keeps_all(call))
 
 
-def _softmax_parts(xp: Any, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
+def _softmax_parts(xp: Any, math: BlockMath, s: Any, *, guarded: bool) -> tuple[Any, Any, Any]:
     """``(exp(s - max), row sums, lse)``: softmax = the first over the second.
 
-    ``guarded``: rows whose scores are all ``-inf`` give exps 0, a row sum replaced by 1
+    ``math``'s steps may take ``s``'s memory for the exps. ``guarded``: rows whose
+    scores are all ``-inf`` give exps 0, a row sum replaced by 1
     (so weights and outputs are 0) and lse ``-inf``, with zero (finite) gradients: every
     division and log sees a safe operand selected by ``where``. Unguarded is the plain
     formula, for calls where no row can be empty (:func:`rows_may_be_empty`).
     """
     m = xp.max(s, axis=-1, keepdims=True)
     if not guarded:
-        e = xp.exp(s - m)
+        e = math.exp_shifted(s, m)
         denom = xp.sum(e, axis=-1, keepdims=True)
         return e, denom, (xp.log(denom) + m)[..., 0]
     m_safe = xp.where(xp.isfinite(m), m, 0.0)
-    e = xp.exp(s - m_safe)
+    e = math.exp_shifted(s, m_safe)
     denom_safe, lse = row_denominators(xp, xp.sum(e, axis=-1, keepdims=True), m_safe)
     return e, denom_safe, lse[..., 0]
 

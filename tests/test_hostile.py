@@ -744,6 +744,44 @@ def test_zero_length_axes(
     check_against_oracle(backend, "float32", q, (out, None, lse), ref)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_weights_are_the_callers_after_the_next_call(backend: Backend, causal: bool) -> None:
+    """The weights' call writes its steps in place where the framework can (the weights
+    take the scores' memory): what it returns is the caller's, never a buffer that the
+    next call (of the same shapes, or smaller) writes again; its inputs are unchanged."""
+    rng = rng_for("hostile", "weights-kept")
+    arrays = [randn(rng, (2, 3, 5, 4)) for _ in range(4)]
+    q, q2, k, v = (backend.asarray(a, "float32") for a in arrays)
+    out, weights = attend(q, k, v, return_weights=True, causal=causal)
+    kept = backend.to_numpy(weights)
+    attend(q2, k, v, return_weights=True, causal=causal)
+    attend(q2[..., :2, :], k, v, causal=causal)
+    np.testing.assert_array_equal(backend.to_numpy(weights), kept)
+    ref = oracle.attention(arrays[0], arrays[2], arrays[3], causal=causal)
+    assert_close(kept, ref[1], "float32", what="weights")
+    for given, a in zip((q, k, v), (arrays[0], arrays[2], arrays[3]), strict=True):
+        np.testing.assert_array_equal(backend.to_numpy(given), a.astype(np.float32))
+
+
+@requires_backend("numpy")
+def test_numpy_weights_take_the_scores_memory() -> None:
+    """NumPy's weights call allocates the weights and little more: its peak (traced by
+    tracemalloc) is under 1.5x the weights' bytes, where a functional softmax holds the
+    scores, their exps and the weights at once (3x: 392 MiB at [1, 8, 2048, 64])."""
+    import tracemalloc
+
+    rng = rng_for("hostile", "weights-memory")
+    q, k, v = (randn(rng, (1, 4, 512, 32)).astype(np.float32) for _ in range(3))
+    attend(q[:, :, :8], k, v, return_weights=True)  # (imports, caches)
+    tracemalloc.start()
+    try:
+        _, weights = attend(q, k, v, return_weights=True, causal=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * weights.nbytes, (peak, weights.nbytes)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_dk_zero_means_every_score_is_zero(backend: Backend, path: str) -> None:
     """Dk = 0 is allowed and means what the math says: ``q @ k^T`` is an empty sum, so

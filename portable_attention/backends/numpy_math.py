@@ -113,6 +113,9 @@ class InPlaceMath(BlockMath):
     def mul(self, a: Any, b: Any) -> Any:
         return np.multiply(a, b, out=a) if _fits(a, b) else a * b
 
+    def divided(self, a: Any, b: Any) -> Any:
+        return np.divide(a, b, out=a) if _fits(a, b) else a / b
+
     def softcap_grad(self, ds: Any, t: Any) -> Any:
         if not _fits(ds, t):
             return super().softcap_grad(ds, t)

@@ -135,6 +135,9 @@ class InPlaceMath(BlockMath):
     def mul(self, a: Any, b: Any) -> Any:
         return a.mul_(b) if _fits(a, b) else a * b
 
+    def divided(self, a: Any, b: Any) -> Any:
+        return a.div_(b) if _fits(a, b) else a / b
+
     def softcap_grad(self, ds: Any, t: Any) -> Any:
         return ds.addcmul_(ds, t.square_(), value=-1.0)  # ds - ds * t**2
 
