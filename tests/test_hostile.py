@@ -752,7 +752,7 @@ def test_weights_are_the_callers_after_the_next_call(backend: Backend, causal: b
     rng = rng_for("hostile", "weights-kept")
     arrays = [randn(rng, (2, 3, 5, 4)) for _ in range(4)]
     q, q2, k, v = (backend.asarray(a, "float32") for a in arrays)
-    out, weights = attend(q, k, v, return_weights=True, causal=causal)
+    _, weights = attend(q, k, v, return_weights=True, causal=causal)
     kept = backend.to_numpy(weights)
     attend(q2, k, v, return_weights=True, causal=causal)
     attend(q2[..., :2, :], k, v, causal=causal)
