@@ -1021,6 +1021,53 @@ def test_torch_func_vmap_of_a_score_mod_call_in_grad_mode() -> None:
     torch.testing.assert_close(torch.func.vmap(f)(q), torch.stack([f(x) for x in q]))
 
 
+@requires_backend("torch")
+@pytest.mark.parametrize("case", ["plain", "softcap_gqa", "segments", "score_mod"])
+def test_torch_func_vmap_and_grad_of_the_blockwise_path(case: str) -> None:
+    """torch.func.vmap over a blockwise call (its Function's vmap rule: both passes as
+    torch operations on the batched tensors), torch.func.grad of one (a score_mod's
+    included: no checkpoint, whose saved-tensor hooks torch.func refuses), and vmap of
+    grad, each example against the float64 oracle (values) and its finite differences
+    (gradients)."""
+    import torch
+
+    rng = rng_for("blockwise", "torch-func", case)
+    heads_kv = 1 if case == "softcap_gqa" else 2
+    q = randn(rng, (3, 2, 12, 4))
+    k, v = randn(rng, (3, heads_kv, 12, 4)), randn(rng, (3, heads_kv, 12, 3))
+    w_out = randn(rng, (3, 2, 12, 3))
+    options: dict[str, Any] = {"causal": True, "chunk_size": 4}
+    if case == "softcap_gqa":
+        options["softcap"] = 2.0
+    if case == "segments":
+        options["segment_ids"] = np.repeat(np.arange(3), [5, 4, 3])
+    if case == "score_mod":
+        options["score_mod"] = lambda s, b, h, i, j: s - abs(i - j) * 0.125  # (exact)
+
+    def ours(options: dict[str, Any]) -> dict[str, Any]:
+        ids = options.get("segment_ids")
+        return options if ids is None else {**options, "segment_ids": torch.tensor(ids)}
+
+    def loss(q: Any, k: Any, v: Any, w: Any) -> Any:
+        return (attend(q, k, v, **ours(options)) * w).sum()
+
+    tq, tk, tv, tw = (torch.tensor(a) for a in (q, k, v, w_out))
+    out = torch.func.vmap(lambda q, k, v: attend(q, k, v, **ours(options)))(tq, tk, tv)
+    grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(tq, tk, tv, tw)
+    one = torch.func.grad(loss, argnums=(0, 1, 2))(tq[0], tk[0], tv[0], tw[0])
+    ref_options = {key: value for key, value in options.items() if key != "chunk_size"}
+    for b in range(3):
+        ref = oracle.attention(q[b], k[b], v[b], **ref_options)
+        assert_close(out[b].numpy(), ref[0], "float64")
+        want = oracle.loss_grads(q[b], k[b], v[b], w_out[b], **ref_options)
+        # Central differences of step 1e-6 in float64: error about 1e-10 at these sizes.
+        for name, got, w in zip("qkv", grads, want, strict=True):
+            np.testing.assert_allclose(got[b].numpy(), w, rtol=1e-6, atol=1e-7, err_msg=name)
+            if b == 0:
+                single = one["qkv".index(name)].numpy()
+                np.testing.assert_allclose(single, w, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_key_runs_of_the_grid() -> None:
     """``_block_grid.merged``: runs of up to ``blocks`` consecutive key blocks that the
     band keeps whole become one step; a block the band cuts stays alone; without a band

@@ -151,6 +151,14 @@ def _transformed(x: Any) -> bool:
     return torch.autograd.forward_ad.unpack_dual(x).tangent is not None
 
 
+def _func_transformed(*tensors: Any) -> bool:
+    """:func:`_transformed` for any of ``tensors``; False while torch.compile traces
+    (dynamo cannot trace the functorch query)."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(_transformed(x) for x in tensors)
+
+
 def _fits(block: Any, x: Any) -> bool:
     """Whether ``x`` broadcasts to ``block``'s shape (an in-place step keeps it). Not
     ``torch.broadcast_shapes``: 50 us a call, several per block."""
@@ -246,7 +254,13 @@ class BlockwiseFunction(torch.autograd.Function):
     (``create_graph=True``) runs the backward as differentiable torch operations instead,
     which autograd records and differentiates again; that graph holds the recomputed
     blocks (``O(Lq * Lk)`` memory, as the dense path).
+
+    Under ``torch.func.vmap`` both passes run as torch operations on the batched tensors
+    (torch generates the rule: ``generate_vmap_rule``), with the functional steps: the
+    custom operators have no batching rule, and the in-place steps' ``out=`` none either.
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(
@@ -259,11 +273,12 @@ class BlockwiseFunction(torch.autograd.Function):
         keep: SeededKeep | None,
         mods: Any,
     ) -> tuple[Any, Any]:
-        if _HAS_CUSTOM_OP and mods is None:
+        vmapped = _func_transformed(q)
+        if _HAS_CUSTOM_OP and mods is None and not vmapped:
             out, lse = _forward_op(q, k, v, mask, bias, *_to_schema(call, keep))
         else:
-            # In place: autograd.Function.forward records nothing.
-            math = InPlaceMath(call.xp)
+            # In place (autograd.Function.forward records nothing) unless vmapped.
+            math = BlockMath(call.xp) if vmapped else InPlaceMath(call.xp)
             out, lse = _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods, math=math)
         return out, lse
 
@@ -280,14 +295,15 @@ class BlockwiseFunction(torch.autograd.Function):
         want_dbias = bias is not None and ctx.needs_input_grad[4]
         if dout is None:
             dout = torch.zeros_like(out)
-        if _HAS_CUSTOM_OP and mods is None and not torch.is_grad_enabled():
+        functional = torch.is_grad_enabled() or _func_transformed(dout, q)
+        if _HAS_CUSTOM_OP and mods is None and not functional:
             dq, dk, dv, dbias = _backward_op(
                 dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_to_schema(call, keep)
             )
             return dq, dk, dv, None, dbias if want_dbias else None, None, None, None
-        # In place unless autograd records the backward (create_graph=True). Not the
-        # adapter's rule: dynamo cannot trace its functorch query.
-        math = BlockMath(call.xp) if torch.is_grad_enabled() else InPlaceMath(call.xp)
+        # In place unless autograd records the backward (create_graph=True) or vmap runs
+        # it. Not the adapter's rule: dynamo cannot trace its functorch query.
+        math = BlockMath(call.xp) if functional else InPlaceMath(call.xp)
         grads = _blockwise.backward(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
             mods=mods, math=math,
@@ -369,6 +385,12 @@ class TorchAdapter(Adapter):
         keep: Any,
         mods: Any = None,
     ) -> tuple[Any, Any]:
+        if mods is not None and _func_transformed(q, k, v):
+            # Under torch.func the mods' tensors (ids, a mod's captures) must be seen by the
+            # transform, and the Function's inputs hold none of them; grad/vjp take no
+            # saved-tensor hooks (checkpoint's): the blocks run as torch operations, which
+            # the transforms record (O(Lq * Lk) memory under grad, as the dense path).
+            return _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods)
         if mods is not None and mods.score_mod is not None and torch.is_grad_enabled():
             return _checkpointed(call, q, k, v, mask, bias, keep, mods)
         out, lse = BlockwiseFunction.apply(q, k, v, mask, bias, call, keep, mods)
@@ -396,8 +418,11 @@ class TorchAdapter(Adapter):
         return InPlaceMath(xp)
 
     def host_bool(self, x: Any) -> bool | None:
-        # None while torch.compile traces: the blocks are then computed, not skipped.
-        return None if torch.compiler.is_compiling() else bool(x)
+        # None while torch.compile traces, or vmap batches x (no host read of a batched
+        # value): the blocks are then computed, not skipped.
+        if torch.compiler.is_compiling() or _transformed(x):
+            return None
+        return bool(x)
 
     def to_host(self, x: Any) -> Any:
         return x.detach().cpu().numpy()
