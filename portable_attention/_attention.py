@@ -323,9 +323,7 @@ def _runner(call: Call, path: str) -> Runnable:
         math = None
         if call.return_weights:
             math = backend.block_math(call.xp, (q, k, v, mask, bias, sinks))
-        result = _core.dense(
-            call, q, k, v, mask, bias, keep, scores=scores, mods=mods, math=math
-        )
+        result = _core.dense(call, q, k, v, mask, bias, keep, scores=scores, mods=mods, math=math)
         return _returned(call, *_with_sinks(call, sinks, *result))
 
     return Runnable(run, None)

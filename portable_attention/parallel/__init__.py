@@ -335,9 +335,7 @@ def ulysses_attend(
         )
         raise ValueError(msg)
     # The options normalised once (on torch.distributed, agreed by every rank first).
-    link, size, index, normalised = module.ulysses_shard(
-        axis_name, group, q, k, v, options, layout
-    )
+    link, size, index, normalised = module.ulysses_shard(axis_name, group, q, k, v, options, layout)
     hq, hk = q.shape[-3], k.shape[-3]
     _check_heads(hq, hk, size)
     if hk % size != 0:  # P % Hk == 0: each shard's query heads use one K/V head
