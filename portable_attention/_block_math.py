@@ -19,7 +19,9 @@ The contract a subclass may rely on:
   replaces. :meth:`~BlockMath.softcap_grad` may overwrite ``t`` as well.
 - :meth:`~BlockMath.product` and :meth:`~BlockMath.scaled_copy` only read their
   arguments; their result may be a buffer that the next call (of the same slot) writes
-  again, so the caller uses it within the step.
+  again, so the caller uses it within the step (the first product of
+  :meth:`~BlockMath.matmul_add` given a slot: within the outer block, the forward's
+  query block, whose output is a new array).
 - Arguments after the first are only read.
 """
 
@@ -82,8 +84,10 @@ class BlockMath:
         """``acc + x`` (of the same shape)."""
         return acc + x
 
-    def matmul_add(self, acc: Any, a: Any, b: Any) -> Any:
-        """``acc + a @ b`` (``a @ b`` where ``acc`` is None; ``a @ b`` of ``acc``'s shape)."""
+    def matmul_add(self, acc: Any, a: Any, b: Any, *, slot: str | None = None) -> Any:
+        """``acc + a @ b`` (``a @ b`` where ``acc`` is None; ``a @ b`` of ``acc``'s shape).
+        With a ``slot`` name, ``a @ b`` where ``acc`` is None may be written into a buffer
+        (as :meth:`product`'s): the caller's until the next call of that slot."""
         product = self.xp.matmul(a, b)
         return product if acc is None else acc + product
 

@@ -199,7 +199,7 @@ def forward(
             if keep is not None:
                 kept = keep(block_number(qi, ki, run.nk), tuple(e.shape))
                 e = _core.apply_keep(xp, e, kept, call.dropout)
-            acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2))
+            acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2), slot="acc")
             return m, total, acc
 
         def walk(shifted: bool) -> tuple[Any, Any, Any]:

@@ -745,20 +745,25 @@ def test_zero_length_axes(
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_weights_are_the_callers_after_the_next_call(backend: Backend, causal: bool) -> None:
-    """The weights' call writes its steps in place where the framework can (the weights
-    take the scores' memory): what it returns is the caller's, never a buffer that the
-    next call (of the same shapes, or smaller) writes again; its inputs are unchanged."""
-    rng = rng_for("hostile", "weights-kept")
+def test_results_are_the_callers_after_the_next_call(backend: Backend, causal: bool) -> None:
+    """Where the framework can, the weights' call writes its steps in place (the weights
+    take the scores' memory) and the blockwise path accumulates in buffers kept from call
+    to call: what a call returns is the caller's, never a buffer that the next call (of
+    the same shapes, or smaller) writes again; its inputs are unchanged."""
+    rng = rng_for("hostile", "results-kept")
     arrays = [randn(rng, (2, 3, 5, 4)) for _ in range(4)]
     q, q2, k, v = (backend.asarray(a, "float32") for a in arrays)
     _, weights = attend(q, k, v, return_weights=True, causal=causal)
-    kept = backend.to_numpy(weights)
+    out = attend(q, k, v, chunk_size=2, causal=causal)
+    kept = backend.to_numpy(weights), backend.to_numpy(out)
     attend(q2, k, v, return_weights=True, causal=causal)
-    attend(q2[..., :2, :], k, v, causal=causal)
-    np.testing.assert_array_equal(backend.to_numpy(weights), kept)
+    attend(q2, k, v, chunk_size=2, causal=causal)
+    attend(q2[..., :2, :], k, v, chunk_size=2, causal=causal)
+    np.testing.assert_array_equal(backend.to_numpy(weights), kept[0])
+    np.testing.assert_array_equal(backend.to_numpy(out), kept[1])
     ref = oracle.attention(arrays[0], arrays[2], arrays[3], causal=causal)
-    assert_close(kept, ref[1], "float32", what="weights")
+    assert_close(kept[0], ref[1], "float32", what="weights")
+    assert_close(kept[1], ref[0], "float32")
     for given, a in zip((q, k, v), (arrays[0], arrays[2], arrays[3]), strict=True):
         np.testing.assert_array_equal(backend.to_numpy(given), a.astype(np.float32))
 

@@ -119,8 +119,8 @@ class InPlaceMath(BlockMath):
     def add(self, acc: Any, x: Any) -> Any:
         return acc.add_(x) if _fits(acc, x) else acc + x
 
-    def matmul_add(self, acc: Any, a: Any, b: Any) -> Any:
-        if acc is None:
+    def matmul_add(self, acc: Any, a: Any, b: Any, *, slot: str | None = None) -> Any:
+        if acc is None:  # (no slot: torch's caching allocator keeps the memory)
             return torch.matmul(a, b)
         if not (acc.shape[:-2] == a.shape[:-2] == b.shape[:-2] and acc.is_contiguous()):
             return acc.add_(torch.matmul(a, b))
