@@ -318,7 +318,7 @@ def _runner(call: Call, path: str) -> Runnable:
         keep = _keep_mask(call, rng)
         # The weights' call writes its steps in place where the adapter can: the weights
         # take the scores' memory (NumPy [1, 8, 2048, 64]: a peak of 140 MiB against 392,
-        # 271 ms against 421). Small calls run the functional steps: the in-place ones'
+        # 260 ms against 421). Small calls run the functional steps: the in-place ones'
         # checks cost more than they save (decode over 512 keys: 67 us against 73).
         math = None
         if call.return_weights:

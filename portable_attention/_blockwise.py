@@ -154,6 +154,8 @@ def forward(
     like = run.like()
 
     unshifted = not bounded and _tries_unshifted(call, keep, loop)
+    # A kept buffer for the sums, unless a mask_mod (which may call attend) runs between.
+    acc_slot = "acc" if mods is None or mods.mask_mod is None else None
 
     # (Not the row sums as a column of ones in v: on torch's CPU kernels, accumulating
     # e @ [v, 1] into [8, 256, 65] took 410 us against 205 us for e @ v and 19 for a sum.)
@@ -199,7 +201,7 @@ def forward(
             if keep is not None:
                 kept = keep(block_number(qi, ki, run.nk), tuple(e.shape))
                 e = _core.apply_keep(xp, e, kept, call.dropout)
-            acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2), slot="acc")
+            acc = math.matmul_add(acc, e, loop.take(ops.v, *cols, -2), slot=acc_slot)
             return m, total, acc
 
         def walk(shifted: bool) -> tuple[Any, Any, Any]:

@@ -1068,6 +1068,107 @@ def test_torch_func_vmap_and_grad_of_the_blockwise_path(case: str) -> None:
                 np.testing.assert_allclose(single, w, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+@requires_backend("torch")
+@pytest.mark.parametrize("batched", ["segment_ids", "k", "mask", "bias", "mod_capture"])
+def test_torch_func_vmap_over_one_operand(batched: str) -> None:
+    """torch.func.vmap over one operand alone (the others closed over, unbatched): the
+    segment ids, k, a mask or bias next to unbatched ids, a tensor a score_mod captures.
+    Each example against the float64 oracle."""
+    import torch
+
+    rng = rng_for("blockwise", "torch-vmap-one", batched)
+    q, k, v = randn(rng, (2, 12, 4)), randn(rng, (2, 12, 4)), randn(rng, (2, 12, 3))
+    ids = np.stack([np.repeat([0, 1], [5, 7]), np.repeat([0, 1], [3, 9]), np.zeros(12, int)])
+    masks = rng.random((3, 12, 12)) < 0.7
+    masks[..., 0] = True
+    stacks = {
+        "segment_ids": ids,
+        "k": randn(rng, (3, 2, 12, 4)),
+        "mask": masks,
+        "bias": randn(rng, (3, 12, 12)),
+        "mod_capture": rng.random((3, 2)),
+    }
+    stack = stacks[batched]
+
+    def options(x: Any, lib: Any) -> dict[str, Any]:
+        """The call's options for one example ``x`` of the batched operand."""
+        kw: dict[str, Any] = {"causal": True}
+        if batched in ("segment_ids", "mask", "bias"):
+            kw[batched] = x
+        if batched != "segment_ids":
+            kw["segment_ids"] = lib.asarray(ids[0])
+        if batched == "mod_capture":
+            kw["score_mod"] = lambda s, b, h, i, j: s - x[h] * abs(i - j)
+        return kw
+
+    def ours(x: Any) -> Any:
+        kk = x if batched == "k" else torch.tensor(k)
+        return attend(torch.tensor(q), kk, torch.tensor(v), chunk_size=4, **options(x, torch))
+
+    got = torch.func.vmap(ours)(torch.tensor(stack))
+    for b in range(3):
+        kk = stack[b] if batched == "k" else k
+        ref = oracle.attention(q, kk, v, **options(stack[b], np))
+        assert_close(got[b].numpy(), ref[0], "float64", what=f"out[{b}]")
+
+
+@requires_backend("torch")
+def test_torch_func_grad_and_jvp_of_the_blockwise_path() -> None:
+    """torch.func.grad with respect to a tensor a score_mod captures (learned ALiBi
+    slopes; q, k, v plain), and torch.func.jvp of a blockwise call (the Function has no
+    jvp rule: its blocks run as torch operations): against finite differences of the
+    float64 oracle."""
+    import torch
+
+    rng = rng_for("blockwise", "torch-func-grad-jvp")
+    q, k, v = randn(rng, (2, 12, 4)), randn(rng, (2, 12, 4)), randn(rng, (2, 12, 3))
+    w_out, slopes, tangent = randn(rng, (2, 12, 3)), rng.random(2), randn(rng, (2, 12, 4))
+
+    def alibi(x: Any) -> Any:
+        return lambda s, b, h, i, j: s - x[h] * abs(i - j)
+
+    def loss(x: Any) -> Any:
+        out = attend(*map(torch.tensor, (q, k, v)), chunk_size=4, score_mod=alibi(x))
+        return (out * torch.tensor(w_out)).sum()
+
+    got = torch.func.grad(loss)(torch.tensor(slopes)).numpy()
+
+    def ref_loss() -> float:
+        return float((oracle.attention(q, k, v, score_mod=alibi(slopes))[0] * w_out).sum())
+
+    want = oracle.numerical_grad(ref_loss, slopes)
+    # Central differences of step 1e-6 in float64: error about 1e-10 at these sizes.
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+    def forward(x: Any) -> Any:
+        return attend(x, *map(torch.tensor, (k, v)), causal=True, chunk_size=4)
+
+    _, jvp = torch.func.jvp(forward, (torch.tensor(q),), (torch.tensor(tangent),))
+    h = 1e-6
+    plus, minus = (oracle.attention(q + e * tangent, k, v, causal=True)[0] for e in (h, -h))
+    np.testing.assert_allclose(jvp.numpy(), (plus - minus) / (2 * h), rtol=1e-6, atol=1e-7)
+
+
+@requires_backend("numpy")
+def test_a_mask_mod_that_calls_attend() -> None:
+    """A mask_mod that calls attend itself (on the same thread, between the outer call's
+    products): the outer result is that of the same mod without the inner call (the
+    forward's sums must not sit in a buffer the inner call writes)."""
+    rng = rng_for("blockwise", "nested-mask-mod")
+    q, k, v = (randn(rng, (1, 2, 64, 8)).astype(np.float32) for _ in range(3))
+    small = [randn(rng, (1, 2, 16, 8)).astype(np.float32) for _ in range(3)]
+
+    def nested(b: Any, h: Any, i: Any, j: Any) -> Any:
+        attend(*small, chunk_size=4)
+        return j <= i
+
+    got = attend(q, k, v, mask_mod=nested, chunk_size=16)
+    want = attend(q, k, v, mask_mod=lambda b, h, i, j: j <= i, chunk_size=16)
+    np.testing.assert_array_equal(got, want)
+    ref = oracle.attention(q, k, v, causal=True)
+    assert_close(got.astype(np.float64), ref[0], "float32")
+
+
 def test_key_runs_of_the_grid() -> None:
     """``_block_grid.merged``: runs of up to ``blocks`` consecutive key blocks that the
     band keeps whole become one step; a block the band cuts stays alone; without a band

@@ -142,21 +142,24 @@ class InPlaceMath(BlockMath):
         return ds.addcmul_(ds, t.square_(), value=-1.0)  # ds - ds * t**2
 
 
-def _transformed(x: Any) -> bool:
-    """Whether a torch.func transform wraps ``x`` or ``x`` carries a forward-mode
-    tangent (where torch cannot tell, yes: the functional steps are always right)."""
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    if wrapped is None or wrapped(x):
-        return True
-    return torch.autograd.forward_ad.unpack_dual(x).tangent is not None
-
-
-def _func_transformed(*tensors: Any) -> bool:
-    """:func:`_transformed` for any of ``tensors``; False while torch.compile traces
+def _in_transform(*tensors: Any) -> bool:
+    """Whether a torch.func transform runs (vmap, grad, jvp: any functorch level, whatever
+    the tensors), or one of ``tensors`` carries a forward-mode tangent; where torch cannot
+    tell, yes (the functional steps are always right). False while torch.compile traces
     (dynamo cannot trace the functorch query)."""
     if torch.compiler.is_compiling():
         return False
-    return any(_transformed(x) for x in tensors)
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    if level is None or level() is not None:
+        return True
+    return _tangent(*tensors)
+
+
+def _tangent(*tensors: Any) -> bool:
+    """Whether one of ``tensors`` carries a forward-mode tangent (``torch.func.jvp``,
+    ``torch.autograd.forward_ad``): an ``autograd.Function`` needs a ``jvp`` rule then."""
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return any(x is not None and unpack(x).tangent is not None for x in tensors)
 
 
 def _fits(block: Any, x: Any) -> bool:
@@ -273,7 +276,7 @@ class BlockwiseFunction(torch.autograd.Function):
         keep: SeededKeep | None,
         mods: Any,
     ) -> tuple[Any, Any]:
-        vmapped = _func_transformed(q)
+        vmapped = _in_transform(q, k, v, mask, bias)
         if _HAS_CUSTOM_OP and mods is None and not vmapped:
             out, lse = _forward_op(q, k, v, mask, bias, *_to_schema(call, keep))
         else:
@@ -295,7 +298,7 @@ class BlockwiseFunction(torch.autograd.Function):
         want_dbias = bias is not None and ctx.needs_input_grad[4]
         if dout is None:
             dout = torch.zeros_like(out)
-        functional = torch.is_grad_enabled() or _func_transformed(dout, q)
+        functional = torch.is_grad_enabled() or _in_transform(dout, q)
         if _HAS_CUSTOM_OP and mods is None and not functional:
             dq, dk, dv, dbias = _backward_op(
                 dout, dlse, q, k, v, out, lse, mask, bias, want_dbias, *_to_schema(call, keep)
@@ -385,11 +388,13 @@ class TorchAdapter(Adapter):
         keep: Any,
         mods: Any = None,
     ) -> tuple[Any, Any]:
-        if mods is not None and _func_transformed(q, k, v):
+        arrays = (q, k, v, mask, bias)
+        if _in_transform(*arrays) and (mods is not None or _tangent(*arrays)):
             # Under torch.func the mods' tensors (ids, a mod's captures) must be seen by the
             # transform, and the Function's inputs hold none of them; grad/vjp take no
-            # saved-tensor hooks (checkpoint's): the blocks run as torch operations, which
-            # the transforms record (O(Lq * Lk) memory under grad, as the dense path).
+            # saved-tensor hooks (checkpoint's), and the Function has no jvp rule: the
+            # blocks run as torch operations, which the transforms record (O(Lq * Lk)
+            # memory under grad, as the dense path).
             return _blockwise.forward(call, q, k, v, mask, bias, keep, mods=mods)
         if mods is not None and mods.score_mod is not None and torch.is_grad_enabled():
             return _checkpointed(call, q, k, v, mask, bias, keep, mods)
@@ -399,8 +404,9 @@ class TorchAdapter(Adapter):
     def unshifted_exp(self, call: _spec.Call) -> bool:
         # On the CPU only: the check is a host read, a synchronisation on CUDA. Forward
         # at [1, 8, 4096, 64] float32 causal, blocks of 256: 160-168 ms against 178-200.
+        # Not under torch.func: vmap batches the check, which no host can read.
         device = getattr(call.device, "type", None)
-        return device == "cpu" and not torch.compiler.is_compiling()
+        return device == "cpu" and not torch.compiler.is_compiling() and not _in_transform()
 
     def block_math(self, xp: Any, arrays: tuple[Any, ...]) -> BlockMath:
         # In place unless autograd records the steps (grad mode on and an input that
@@ -413,16 +419,21 @@ class TorchAdapter(Adapter):
         tensors = [x for x in arrays if x is not None]
         if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
             return BlockMath(xp)
-        if any(_transformed(x) for x in tensors):
+        if _in_transform(*tensors):
             return BlockMath(xp)
         return InPlaceMath(xp)
 
     def host_bool(self, x: Any) -> bool | None:
-        # None while torch.compile traces, or vmap batches x (no host read of a batched
-        # value): the blocks are then computed, not skipped.
-        if torch.compiler.is_compiling() or _transformed(x):
+        # None while torch.compile traces, or where vmap batches x (no host read of a
+        # batched value): the blocks are then computed, not skipped.
+        if torch.compiler.is_compiling():
             return None
-        return bool(x)
+        try:
+            return bool(x)
+        except RuntimeError:  # vmap's "data-dependent control flow" refusal
+            if not _in_transform(x):
+                raise
+            return None
 
     def to_host(self, x: Any) -> Any:
         return x.detach().cpu().numpy()

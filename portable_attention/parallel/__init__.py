@@ -359,7 +359,7 @@ def ulysses_attend(
     arrays = {name: options.get(name) for name in _agree.GIVEN}
     call = _spec.validate_call(qh, kh, vh, normalised, **arrays)
     result = run_call(call, qh, kh, vh, **arrays)
-    return_lse = bool(options.get("return_lse", False))
+    return_lse = normalised.return_lse
     items = list(result) if isinstance(result, tuple) else [result]
     back = []
     for position, item in enumerate(items):
