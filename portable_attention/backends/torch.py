@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd import forward_ad
 
 from portable_attention import _band, _block_grid, _blockwise, _spec
 from portable_attention._block_math import BlockMath
@@ -142,24 +143,22 @@ class InPlaceMath(BlockMath):
         return ds.addcmul_(ds, t.square_(), value=-1.0)  # ds - ds * t**2
 
 
+#: The functorch level now (None outside torch.func); where torch has no such query, a
+#: level (the functional steps are always right).
+_level = getattr(torch._C._functorch, "maybe_current_level", lambda: 0)
+
+
 def _in_transform(*tensors: Any) -> bool:
     """Whether a torch.func transform runs (vmap, grad, jvp: any functorch level, whatever
-    the tensors), or one of ``tensors`` carries a forward-mode tangent; where torch cannot
-    tell, yes (the functional steps are always right). False while torch.compile traces
-    (dynamo cannot trace the functorch query)."""
-    if torch.compiler.is_compiling():
-        return False
-    level = getattr(torch._C._functorch, "maybe_current_level", None)
-    if level is None or level() is not None:
-        return True
-    return _tangent(*tensors)
+    the tensors), or one of ``tensors`` carries a forward-mode tangent. False while
+    torch.compile traces (dynamo cannot trace the functorch query)."""
+    return not torch.compiler.is_compiling() and (_level() is not None or _tangent(*tensors))
 
 
 def _tangent(*tensors: Any) -> bool:
     """Whether one of ``tensors`` carries a forward-mode tangent (``torch.func.jvp``,
     ``torch.autograd.forward_ad``): an ``autograd.Function`` needs a ``jvp`` rule then."""
-    unpack = torch.autograd.forward_ad.unpack_dual
-    return any(x is not None and unpack(x).tangent is not None for x in tensors)
+    return any(x is not None and forward_ad.unpack_dual(x).tangent is not None for x in tensors)
 
 
 def _fits(block: Any, x: Any) -> bool:
