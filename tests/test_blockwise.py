@@ -1149,6 +1149,58 @@ def test_torch_func_grad_and_jvp_of_the_blockwise_path() -> None:
     np.testing.assert_allclose(jvp.numpy(), (plus - minus) / (2 * h), rtol=1e-6, atol=1e-7)
 
 
+@requires_backend("torch")
+def test_torch_hessian_and_forward_ad_of_a_mod_capture() -> None:
+    """Forward mode that the Function cannot see: torch.func.hessian (a jvp around a
+    grad, whose wrapped q shows no tangent), and forward AD under no_grad whose tangent
+    only a score_mod's captured slopes carry; against the float64 oracle's differences."""
+    import torch
+    from torch.autograd import forward_ad
+
+    rng = rng_for("blockwise", "torch-hessian")
+    q, k, v = randn(rng, (1, 4, 2)), randn(rng, (1, 6, 2)), randn(rng, (1, 6, 2))
+    kt, vt = torch.tensor(k), torch.tensor(v)
+
+    def loss(x: Any) -> Any:
+        return (attend(x, kt, vt, causal=True, chunk_size=2) ** 2).sum()
+
+    got = torch.func.hessian(loss)(torch.tensor(q)).numpy().reshape(q.size, q.size)
+
+    def ref(x: np.ndarray) -> float:
+        return float((oracle.attention(x, k, v, causal=True)[0] ** 2).sum())
+
+    h, eye = 1e-4, np.eye(q.size).reshape(q.size, *q.shape)
+    want = np.array([
+        [
+            (ref(q + h * a + h * b) - ref(q + h * a - h * b) - ref(q - h * a + h * b)
+             + ref(q - h * a - h * b)) / (4 * h * h)
+            for b in eye
+        ]
+        for a in eye
+    ])  # fmt: skip
+    # A 4-point stencil of step 1e-4 in float64: error about 1e-7 (h^2 and eps / h^2).
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    slopes, direction = rng.random(2), randn(rng, (2,))
+    q2, k2, v2 = (randn(rng, (2, 8, 3)) for _ in range(3))
+
+    def alibi(x: Any) -> Any:
+        return lambda s, b, hd, i, j: s - x[hd] * abs(i - j)
+
+    with torch.no_grad(), forward_ad.dual_level():
+        x = forward_ad.make_dual(torch.tensor(slopes), torch.tensor(direction))
+        tq, tk, tv = map(torch.tensor, (q2, k2, v2))
+        out = attend(tq, tk, tv, causal=True, chunk_size=4, score_mod=alibi(x))
+        tangent = forward_ad.unpack_dual(out).tangent
+    assert tangent is not None
+    e = 1e-6
+    plus, minus = (
+        oracle.attention(q2, k2, v2, causal=True, score_mod=alibi(slopes + d * direction))[0]
+        for d in (e, -e)
+    )
+    np.testing.assert_allclose(tangent.numpy(), (plus - minus) / (2 * e), rtol=1e-6, atol=1e-7)
+
+
 @requires_backend("numpy")
 def test_a_mask_mod_that_calls_attend() -> None:
     """A mask_mod that calls attend itself (on the same thread, between the outer call's

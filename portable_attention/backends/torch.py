@@ -150,15 +150,31 @@ _level = getattr(torch._C._functorch, "maybe_current_level", lambda: 0)
 
 def _in_transform(*tensors: Any) -> bool:
     """Whether a torch.func transform runs (vmap, grad, jvp: any functorch level, whatever
-    the tensors), or one of ``tensors`` carries a forward-mode tangent. False while
+    the tensors), or forward-mode AD may see the call (:func:`_forward_mode`). False while
     torch.compile traces (dynamo cannot trace the functorch query)."""
-    return not torch.compiler.is_compiling() and (_level() is not None or _tangent(*tensors))
+    return not torch.compiler.is_compiling() and (_level() is not None or _forward_mode(*tensors))
 
 
-def _tangent(*tensors: Any) -> bool:
-    """Whether one of ``tensors`` carries a forward-mode tangent (``torch.func.jvp``,
-    ``torch.autograd.forward_ad``): an ``autograd.Function`` needs a ``jvp`` rule then."""
+def _forward_mode(*tensors: Any) -> bool:
+    """Whether forward-mode AD may see the call, which an ``autograd.Function`` without a
+    ``jvp`` rule cannot pass: one of ``tensors`` carries a tangent, a forward-AD level is
+    open (``forward_ad.dual_level``: a mod's captures may carry tangents), or a
+    ``torch.func.jvp`` is among the transforms (around a ``grad``, whose wrapped tensors
+    show no tangent: ``torch.func.hessian``)."""
+    if getattr(forward_ad, "_current_level", -1) >= 0 or (_level() is not None and _jvp_runs()):
+        return True
     return any(x is not None and forward_ad.unpack_dual(x).tangent is not None for x in tensors)
+
+
+def _jvp_runs() -> bool:
+    """Whether a ``torch.func.jvp`` is among the active transforms (where torch cannot
+    tell, yes: the blocks as torch operations are always right)."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:
+        return True
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
 def _fits(block: Any, x: Any) -> bool:
@@ -388,7 +404,7 @@ class TorchAdapter(Adapter):
         mods: Any = None,
     ) -> tuple[Any, Any]:
         arrays = (q, k, v, mask, bias)
-        if _in_transform(*arrays) and (mods is not None or _tangent(*arrays)):
+        if _in_transform(*arrays) and (mods is not None or _forward_mode(*arrays)):
             # Under torch.func the mods' tensors (ids, a mod's captures) must be seen by the
             # transform, and the Function's inputs hold none of them; grad/vjp take no
             # saved-tensor hooks (checkpoint's), and the Function has no jvp rule: the
@@ -429,8 +445,8 @@ class TorchAdapter(Adapter):
             return None
         try:
             return bool(x)
-        except RuntimeError:  # vmap's "data-dependent control flow" refusal
-            if not _in_transform(x):
+        except RuntimeError as err:  # vmap's "data-dependent control flow" refusal
+            if "vmap" not in str(err) or not _in_transform(x):
                 raise
             return None
 
