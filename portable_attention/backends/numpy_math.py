@@ -108,7 +108,7 @@ class InPlaceMath(BlockMath):
     def matmul_add(self, acc: Any, a: Any, b: Any, *, slot: str | None = None) -> Any:
         # The forward's first product into its slot's buffer: a fresh [8, 128, 64] float32
         # accumulator each query block (mmap, page faults, TLB shootdowns where OpenBLAS's
-        # threads spin) made [1, 8, 128, 64] take 0.82 ms against 0.48.
+        # threads spin) made [1, 8, 128, 64] take 0.84 ms against 0.47 (docs/benchmarks.md).
         with np.errstate(over="ignore", invalid="ignore"):  # (as in add)
             product = self.product(a, b, slot=slot if acc is None else "matmul_add")
         return product if acc is None else self.add(acc, product)
