@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from portable_attention import _blockwise, _core, _dense_backward, _memo, _mods
+from portable_attention import _blockwise_backward, _core, _dense_backward, _memo, _mods
 from portable_attention._blockwise import BlockKeep, Grads
 from portable_attention._options import Options, options
 from portable_attention._plan import BLOCKWISE, DENSE, Plan, choose
@@ -496,7 +496,7 @@ def attend_backward(
         segment_ids=segment_ids,
         mask_mod=mask_mod,
     )
-    _blockwise.check_backward_arrays(call, q, dout=dout, out=out, lse=lse, dlse=dlse)
+    _blockwise_backward.check_backward_arrays(call, q, dout=dout, out=out, lse=lse, dlse=dlse)
     return run_backward(
         call, dout, q, k, v, out, lse, mask, bias, rng, dlse, sinks, segment_ids, mask_mod
     )

@@ -35,7 +35,7 @@ def backward(
 ) -> Grads:
     """The gradients of ``attend``'s inputs from ``dout``, ``out`` and ``lse`` (and
     ``dlse``, ``sinks``; ``mods``: one array of segment ids), as
-    :func:`portable_attention._blockwise.backward` gives them."""
+    :func:`portable_attention._blockwise_backward.backward` gives them."""
     xp, ct = call.xp, call.compute_dtype
     ops = _core.operands(call, q, k, v, mask, bias, q_factor=_core.q_factor(call))
     allow = _core.dense_allow(call, ops, mods)

@@ -746,7 +746,7 @@ def test_one_kernel_two_loops(options: dict[str, Any]) -> None:
     backward's folded columns: the products then round another way, within 1e-13.)"""
     import jax
     import jax.numpy as jnp
-    from portable_attention import _blockwise, _mods, _options, _spec
+    from portable_attention import _blockwise, _blockwise_backward, _mods, _options, _spec
     from portable_attention._block_loop import BlockLoop
     from portable_attention.backends import jax as jax_backend
 
@@ -778,7 +778,9 @@ def test_one_kernel_two_loops(options: dict[str, Any]) -> None:
     results = []
     for loop in (BlockLoop(jnp), jax_backend.ScanLoop(jnp)):
         out, lse = _blockwise.forward(call, q, k, v, None, bias, mods=mods, loop=loop)
-        grads = _blockwise.backward(call, dout, q, k, v, out, lse, None, bias, mods=mods, loop=loop)
+        grads = _blockwise_backward.backward(
+            call, dout, q, k, v, out, lse, None, bias, mods=mods, loop=loop
+        )
         results.append((out, lse, *(g for g in grads if g is not None)))
     assert jnp.isneginf(results[0][1]).any() == ("segment_ids" in options)
     for static, traced in zip(*results, strict=True):

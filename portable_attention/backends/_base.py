@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import array_api_compat
 import numpy as np
 
-from portable_attention import _blockwise
+from portable_attention import _blockwise, _blockwise_backward
 from portable_attention._block_loop import BlockLoop
 from portable_attention._block_math import BlockMath
 from portable_attention._blockwise import BlockKeep, Grads
@@ -195,7 +195,7 @@ class Adapter(ABC):
         """The blockwise backward (FlashAttention-2's) of the call, from ``out`` and
         ``lse``; ``keep`` replays :meth:`blockwise`'s dropout; ``sinks`` (with the ``lse``
         that includes them) adds ``dsinks``."""
-        return _blockwise.backward(
+        return _blockwise_backward.backward(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, mods=mods, sinks=sinks
         )
 

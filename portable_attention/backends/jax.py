@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from portable_attention import _block_grid, _blockwise, _core, _spec
+from portable_attention import _block_grid, _blockwise, _blockwise_backward, _core, _spec
 from portable_attention._block_loop import BlockLoop, unstacked
 from portable_attention.backends._base import Adapter, Kernel
 
@@ -138,7 +138,9 @@ def _blockwise_fn(call: _spec.Call) -> Any:
     def bwd(res: Any, cotangents: Any) -> Any:
         q, k, v, mask, bias, keep, out, lse = res
         dout, dlse = cotangents
-        grads = _blockwise.backward(call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse)
+        grads = _blockwise_backward.backward(
+            call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse
+        )
         return grads.dq, grads.dk, grads.dv, None, grads.dbias, None
 
     run.defvjp(fwd, bwd)
@@ -153,7 +155,7 @@ def _backward_fn(call: _spec.Call) -> Any:
         dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any, bias: Any,
         keep: Any, dlse: Any, sinks: Any,
     ) -> Grads:  # fmt: skip
-        return _blockwise.backward(
+        return _blockwise_backward.backward(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, sinks=sinks
         )  # fmt: skip
 
@@ -228,7 +230,7 @@ class JaxAdapter(Adapter):
                 dout, q, k, v, out, lse, mask, bias, keep, dlse, sinks
             )
             return grads
-        return _blockwise.backward(
+        return _blockwise_backward.backward(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, mods=mods, sinks=sinks
         )
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from portable_attention import _block_grid, _blockwise, _mods, _spec
+from portable_attention import _block_grid, _blockwise, _blockwise_backward, _mods, _spec
 from portable_attention._block_loop import BlockLoop
 
 
@@ -40,7 +40,7 @@ def _closure_converted(score_mod: Any, example: tuple[Any, ...]) -> tuple[Any, t
 class _ScoreGrad:
     """A ``score_mod`` closure-converted (:func:`_closure_converted`) into ``score(s, b, h,
     q_idx, kv_idx, *consts)``, so the arrays it captures are explicit inputs of the
-    ``custom_vjp`` and get their gradients (``_blockwise.ScoreGrad``)."""
+    ``custom_vjp`` and get their gradients (``_blockwise_backward.ScoreGrad``)."""
 
     call: _spec.Call
     mods: _mods.Mods
@@ -104,7 +104,7 @@ def modded_blockwise(
         dout, dlse = cotangents
         plain = _plain(ids, mods.mask_mod)
         score_grad: Any = grad_of(ids, c) if converted is not None else None
-        grads, dc = _blockwise.backward_and_consts(
+        grads, dc = _blockwise_backward.backward_and_consts(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, mods=plain,
             score_grad=score_grad,
         )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd import forward_ad
 
-from portable_attention import _band, _block_grid, _blockwise, _spec
+from portable_attention import _band, _block_grid, _blockwise, _blockwise_backward, _spec
 from portable_attention._block_math import BlockMath
 from portable_attention._options import from_fields, to_fields
 from portable_attention.backends._base import Adapter, Kernel, MemoKeys
@@ -246,7 +246,7 @@ if _HAS_CUSTOM_OP:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         schema = (causal, left, right, windowed, scale, softcap, dropout, size, seed)
         call, keep = _from_schema(q, k, v, mask, bias, schema)
-        grads = _blockwise.backward(
+        grads = _blockwise_backward.backward(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
             math=InPlaceMath(call.xp),
         )  # fmt: skip
@@ -264,7 +264,7 @@ if _HAS_CUSTOM_OP:
 
 class BlockwiseFunction(torch.autograd.Function):
     """The blockwise path: forward ``_blockwise.forward`` (out, lse), backward
-    ``_blockwise.backward`` from the saved q, k, v, out and lse (the probabilities are
+    ``_blockwise_backward.backward`` from the saved q, k, v, out and lse (the probabilities are
     recomputed block by block; dropout's masks drawn again from the same seed).
 
     Both run as custom operators (opaque to ``torch.compile``, whose compile time then does
@@ -322,7 +322,7 @@ class BlockwiseFunction(torch.autograd.Function):
         # In place unless autograd records the backward (create_graph=True) or vmap runs
         # it. Not the adapter's rule: dynamo cannot trace its functorch query.
         math = BlockMath(call.xp) if functional else InPlaceMath(call.xp)
-        grads = _blockwise.backward(
+        grads = _blockwise_backward.backward(
             call, dout, q, k, v, out, lse, mask, bias, keep, dlse=dlse, want_dbias=want_dbias,
             mods=mods, math=math,
         )  # fmt: skip
