@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from portable_attention import _blockwise_backward, _core, _dense_backward, _memo, _mods
-from portable_attention._blockwise import BlockKeep, Grads
+from portable_attention._blockwise import BlockKeep, Grads, block_math
 from portable_attention._options import Options, options
 from portable_attention._plan import BLOCKWISE, DENSE, Plan, choose
 from portable_attention._spec import Call, fused_unavailable_error, validate_call
@@ -322,7 +322,7 @@ def _runner(call: Call, path: str) -> Runnable:
         # checks cost more than they save (decode over 512 keys: 67 us against 73).
         math = None
         if call.return_weights:
-            math = backend.block_math(call.xp, (q, k, v, mask, bias, sinks))
+            math = block_math(call, (q, k, v, mask, bias, sinks))
         result = _core.dense(call, q, k, v, mask, bias, keep, scores=scores, mods=mods, math=math)
         return _returned(call, *_with_sinks(call, sinks, *result))
 

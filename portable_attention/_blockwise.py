@@ -310,18 +310,24 @@ def primitives(
     loop: BlockLoop | None,
 ) -> tuple[Scores | None, HostBool, BlockMath, BlockLoop]:
     """The primitives a pass runs on: those given, else the adapter's (``Adapter.scores``,
-    ``host_bool``, ``block_math`` of the pass's ``arrays``, ``block_loop``). The steps are
-    the functional ones for a call with a ``score_mod``, whose result may be any array of
-    the block's shape, which an in-place step must not overwrite."""
+    ``host_bool``, :func:`block_math` of the pass's ``arrays``, ``block_loop``)."""
     backend = adapter(call.backend)
-    if math is None and not call.score_mod:
-        math = backend.block_math(call.xp, arrays)
     return (
         backend.scores(call.xp) if scores is None else scores,
         backend.host_bool if host_bool is None else host_bool,
-        BlockMath(call.xp) if call.score_mod or math is None else math,
+        block_math(call, arrays) if math is None or call.score_mod else math,
         backend.block_loop(call) if loop is None else loop,
     )
+
+
+def block_math(call: Call, arrays: tuple[Any, ...]) -> BlockMath:
+    """The elementwise steps of a pass (or of the dense weights call) on ``arrays``: the
+    adapter's (``Adapter.block_math``), the functional ones for a call with a
+    ``score_mod``, whose result may be any array of the block's shape, which an in-place
+    step must not overwrite."""
+    if call.score_mod:
+        return BlockMath(call.xp)
+    return adapter(call.backend).block_math(call.xp, arrays)
 
 
 def grouped(call: Call, x: Any, *, last: int | None) -> Any:

@@ -468,8 +468,8 @@ def dense(
     An adapter may ask for them where they measure faster. ``band=False``: ``q`` may be
     a block of the call's query rows, and ``mask`` (cut to those rows) already holds
     ``causal`` and ``window`` (JAX's query blocks, whose offset is traced). ``math``: the
-    elementwise steps (the adapter's, which may write in place: the whole matrix is the
-    one block; functional where None).
+    elementwise steps (:func:`portable_attention._blockwise.block_math`, which may write
+    in place: the whole matrix is the one block; functional where None).
     """
     if call.k_shape[-2] == 0:
         return empty_keys(call, q, k, v)
@@ -477,7 +477,7 @@ def dense(
     ops = operands(call, q, k, v, mask, bias, q_factor=q_factor(call))
     lq, lk = q.shape[-2], call.k_shape[-2]
     allow = dense_allow(call, ops, mods, band=band)
-    math = BlockMath(xp) if math is None or call.score_mod else math
+    math = BlockMath(xp) if math is None else math
     # The weights come from the scores' own array: never from a product buffer that the
     # next call writes again.
     slot = None if call.return_weights else "scores"
