@@ -16,7 +16,8 @@ machine's speed drifts within minutes: only figures measured side by side compar
 - ``lines``: one cold ``attend(q, k, v, causal=True, softcap=20.0, chunk_size=64)``
   forward and backward on ``[1, 2, 256, 16]`` float32, traced with ``sys.settrace``:
   torch through autograd (``out.sum().backward()``), JAX as ``jax.jit(jax.grad(...))``,
-  NumPy as ``attend(..., return_lse=True)`` then ``attend_backward``. Prints, per
+  NumPy as ``attend(..., return_lse=True)`` then ``attend_backward``; each framework in
+  a fresh process of its own (cold: its imports, the package's caches empty). Prints, per
   framework, the distinct lines of the package executed inside ``backends/`` (cold: the
   adapter's import counts, its module and class bodies; and of those, the lines inside
   functions, what the call itself runs) and the share
@@ -39,8 +40,10 @@ machine's speed drifts within minutes: only figures measured side by side compar
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -87,40 +90,51 @@ def _traced(fn: Callable[[], Any]) -> set[tuple[str, int, bool]]:
     return seen
 
 
-def lines() -> None:
+def _lines_run(name: str) -> None:
+    """One framework's traced call (:func:`lines`), in this fresh process: prints the
+    ``(file, line, in a function)`` triples as JSON."""
     from portable_attention import attend, attend_backward
 
     rng = np.random.default_rng(0)
-    shape = (1, 2, 256, 16)
-    arrays = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+    arrays = [rng.standard_normal((1, 2, 256, 16), dtype=np.float32) for _ in range(3)]
     options = {"causal": True, "softcap": 20.0, "chunk_size": 64}
-    runs: dict[str, Callable[[], Any]] = {}
-
-    import torch
 
     def torch_run() -> None:
+        import torch
+
         q, k, v = (torch.tensor(a, requires_grad=True) for a in arrays)
         attend(q, k, v, **options).sum().backward()
 
-    runs["torch"] = torch_run
-
-    import jax
-    import jax.numpy as jnp
-
     def jax_run() -> None:
+        import jax
+        import jax.numpy as jnp
+
         q, k, v = (jnp.asarray(a) for a in arrays)
         grad = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v, **options).sum(), (0, 1, 2)))
         jax.block_until_ready(grad(q, k, v))
-
-    runs["jax"] = jax_run
 
     def numpy_run() -> None:
         q, k, v = arrays
         out, lse = attend(q, k, v, return_lse=True, **options)
         attend_backward(np.ones_like(out), q, k, v, out, lse, **options)
 
-    runs["numpy"] = numpy_run
-    seen = {name: _traced(run) for name, run in runs.items()}
+    if name == "torch":
+        import torch  # noqa: F401  (the framework's own import is not the call)
+    elif name == "jax":
+        import jax  # noqa: F401
+    run = {"torch": torch_run, "jax": jax_run, "numpy": numpy_run}[name]
+    print(json.dumps(sorted(_traced(run))))
+
+
+def lines() -> None:
+    seen: dict[str, set[tuple[str, int, bool]]] = {}
+    for name in ("torch", "jax", "numpy"):
+        # A process each: every call cold (its imports, the package's caches empty).
+        done = subprocess.run(
+            [sys.executable, __file__, "lines-run", name],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        seen[name] = {tuple(x) for x in json.loads(done.stdout.splitlines()[-1])}  # type: ignore[misc]
     outside = {
         name: {x[:2] for x in s if not x[0].startswith("backends")} for name, s in seen.items()
     }
@@ -130,7 +144,7 @@ def lines() -> None:
         share = len(outside[name] & outside["torch"]) / len(outside["torch"])
         print(
             f"lines {name}: {len(inside)} inside backends/ ({in_calls} in functions, "
-            f"{len(inside) - in_calls} of definitions at import), {share:.0%} of torch's outside"
+            f"{len(inside) - in_calls} of definitions at import), {share:.1%} of torch's outside"
         )
 
 
@@ -237,6 +251,9 @@ MEASURES: dict[str, Callable[[], None]] = {
 }
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["lines-run"]:
+        _lines_run(sys.argv[2])
+        sys.exit()
     names = sys.argv[1:] or list(MEASURES)
     for name in names:
         MEASURES[name]()

@@ -204,11 +204,13 @@ class Pass:
 
     def band(self, rows: Span, cols: Span) -> Any:
         """``causal``/``window`` (and a padded loop's keys past Lk) on the block; None
-        where they keep all of it."""
+        where they keep all of it (on a static loop, a block inside the band). The same
+        positions and rule for every loop, its offsets Python ints or traced."""
         call, xp = self.call, self.call.xp
         if self.loop.static:
             r, c = (rows[0], rows[0] + rows[1]), (cols[0], cols[0] + cols[1])
-            return _core.band_mask(call, device=call.device, rows=r, cols=c)
+            if _core.block_is_full(call, r, c):
+                return None
         i = rows[0] + xp.reshape(xp.arange(rows[1], device=call.device), (rows[1], 1))
         j = cols[0] + xp.reshape(xp.arange(cols[1], device=call.device), (1, cols[1]))
         band = None

@@ -19,6 +19,7 @@ padded keys are masked, the padded rows dropped) and every block has the same sh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,9 +40,10 @@ class BlockLoop:
     #: on torch's CPU kernels a block's subtraction costs a pass over memory.
     fold_columns = True
 
-    def __init__(self, xp: Any, device: Any = None) -> None:
+    def __init__(self, xp: Any, device: Any = None, *, span_scores: int = 0) -> None:
         self.xp = xp
         self.device = device
+        self.span_scores = span_scores
 
     def budget(self, call: Any, default: int) -> int:
         """Scores per block over all batch and head dims, from the core's ``default``."""
@@ -50,8 +52,11 @@ class BlockLoop:
     def key_span(self, call: Any, size: int) -> int:
         """The most keys one step of the forward takes at once, where consecutive key
         blocks of ``size`` need no mask (:func:`~portable_attention._block_grid.merged`;
-        static loops only): ``size`` here, one block per step."""
-        return size
+        static loops only): as many whole blocks as keep the step's scores over all batch
+        and head dims within ``span_scores`` (NumPy's: fewer Python steps), else
+        ``size``, one block per step."""
+        rows = min(size, call.q_shape[-2]) * math.prod(call.q_shape[:-2])
+        return max(size, self.span_scores // max(rows, 1))
 
     def length(self, total: int, size: int, index: Any) -> Any:
         """The length of block ``index`` of ``size`` on an axis of ``total``."""

@@ -7,7 +7,8 @@ returns a new array. An adapter whose framework can update an array in place pas
 subclass that does (``Adapter.block_math``): on a ``[8, 256, 256]`` float32 block, torch's
 ``a * b`` took 131 us against 48 us for ``a.mul_(b)`` on this project's 2-core machine (a
 pass over memory and a fresh buffer less), and both passes of the blockwise path make
-several such steps per block.
+several such steps per block. :class:`OutMath` writes those steps in place once, for
+every framework whose functions take ``out=`` (NumPy's and torch's subclasses).
 
 The contract a subclass may rely on:
 
@@ -27,7 +28,10 @@ The contract a subclass may rely on:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+
+import array_api_compat
 
 
 class BlockMath:
@@ -103,3 +107,109 @@ class BlockMath:
         """``ds * (1 - t**2)``: the gradient through ``softcap * tanh``. ``t`` is the
         block's ``tanh``, made in the same step: a subclass may overwrite it too."""
         return ds * (1.0 - t * t)
+
+
+class OutMath(BlockMath):
+    """The steps written in place, once, for a framework whose functions take ``out=``
+    (NumPy's ufuncs and ``matmul``, torch's functions): ``ops`` is its own namespace
+    (``numpy``, ``torch``; not array-api-compat's, whose functions take no ``out=``). A
+    step whose other operand would broadcast the block to a larger shape or promote it to
+    a wider dtype takes the functional form (:meth:`fits`). A subclass gives how a mask
+    fills a block (:meth:`fill`) and may keep its product buffers longer
+    (:meth:`buffer`)."""
+
+    def __init__(self, xp: Any, ops: Any) -> None:
+        super().__init__(xp)
+        self.ops = ops
+        self._buffers: dict[tuple[str, Any], Any] = {}
+
+    def fill(self, x: Any, where: Any, value: float) -> Any:
+        """``x`` with ``value`` written where ``where`` (which broadcasts to it) is True."""
+        raise NotImplementedError
+
+    def buffer(self, slot: str, shape: tuple[int, ...], like: Any) -> Any:
+        """An array of ``shape`` and ``like``'s dtype for the slot's products: here one per
+        slot, reused while this object lives (a pass's blocks) and its shape and dtype
+        stay. On the 2-core machine a fresh [8, 256, 256] torch product of a scalar and a
+        block took 220 us, one into the reused buffer 100 us."""
+        key = (slot, like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or tuple(buffer.shape) != tuple(shape):
+            device = array_api_compat.device(like)
+            buffer = self._buffers[key] = self.xp.empty(shape, dtype=like.dtype, device=device)
+        return buffer
+
+    def quiet(self) -> Any:
+        """A context in which overflow (``exp`` without a max subtracted: the forward's
+        first try) and ``inf - inf`` warn of nothing (NumPy's ``errstate``)."""
+        return contextlib.nullcontext()
+
+    def fits(self, block: Any, x: Any) -> bool:
+        """Whether ``block`` may take ``block op x`` in place: ``x`` (an array or a Python
+        scalar) neither broadcasts it to a larger shape nor promotes its dtype."""
+        shape = tuple(getattr(x, "shape", ()))
+        if shape != tuple(block.shape):
+            pairs = zip(reversed(shape), reversed(block.shape), strict=False)
+            if len(shape) > block.ndim or any(n not in (1, m) for n, m in pairs):
+                return False
+        dtype = getattr(x, "dtype", block.dtype)
+        return dtype == block.dtype or self.xp.result_type(block.dtype, dtype) == block.dtype
+
+    def tanh(self, s: Any) -> Any:
+        return self.ops.tanh(s, out=s)
+
+    def scaled(self, s: Any, factor: float) -> Any:
+        return self.ops.multiply(s, factor, out=s)
+
+    def product(self, a: Any, b: Any, *, slot: str | None = None) -> Any:
+        if slot is None or a.shape[:-2] != b.shape[:-2] or a.dtype != b.dtype:
+            return self.ops.matmul(a, b)
+        return self.ops.matmul(a, b, out=self.buffer(slot, (*a.shape[:-1], b.shape[-1]), a))
+
+    def scaled_copy(self, t: Any, factor: float) -> Any:
+        return self.ops.multiply(t, factor, out=self.buffer("scaled", t.shape, t))
+
+    def exp(self, s: Any, *, base2: bool = False) -> Any:
+        with self.quiet():
+            return (self.ops.exp2 if base2 else self.ops.exp)(s, out=s)
+
+    def exp_shifted(self, s: Any, shift: Any, *, base2: bool = False) -> Any:
+        s = self.ops.subtract(s, shift, out=s) if self.fits(s, shift) else s - shift
+        return (self.ops.exp2 if base2 else self.ops.exp)(s, out=s)
+
+    def masked(self, s: Any, allow: Any) -> Any:
+        if not self.fits(s, allow):
+            return super().masked(s, allow)
+        return self.fill(s, self.ops.logical_not(allow), -float("inf"))
+
+    def zeroed(self, p: Any, allow: Any) -> Any:
+        # A fill, not a product with the mask: a NaN where a key is masked (a cache's
+        # unwritten slots) must give 0 there, as -inf before exp does, not NaN.
+        if not self.fits(p, allow):
+            return super().zeroed(p, allow)
+        return self.fill(p, self.ops.logical_not(allow), 0.0)
+
+    def add(self, acc: Any, x: Any) -> Any:
+        with self.quiet():  # (as in exp: inf + -inf)
+            return self.ops.add(acc, x, out=acc) if self.fits(acc, x) else acc + x
+
+    def matmul_add(self, acc: Any, a: Any, b: Any, *, slot: str | None = None) -> Any:
+        # Given a slot, the first product into its buffer: a fresh [8, 128, 64] float32
+        # NumPy accumulator each query block (mmap, page faults, TLB shootdowns where
+        # OpenBLAS's threads spin) made [1, 8, 128, 64] take 0.84 ms against 0.47
+        # (docs/benchmarks.md).
+        with self.quiet():
+            product = self.product(a, b, slot=slot if acc is None else "matmul_add")
+        return product if acc is None else self.add(acc, product)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        return self.ops.multiply(a, b, out=a) if self.fits(a, b) else a * b
+
+    def divided(self, a: Any, b: Any) -> Any:
+        return self.ops.divide(a, b, out=a) if self.fits(a, b) else a / b
+
+    def softcap_grad(self, ds: Any, t: Any) -> Any:
+        if not self.fits(ds, t):
+            return super().softcap_grad(ds, t)
+        t = self.ops.multiply(t, t, out=t)  # ds - ds * t**2
+        return self.ops.subtract(ds, self.ops.multiply(t, ds, out=t), out=ds)

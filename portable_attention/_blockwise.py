@@ -7,7 +7,7 @@ a :class:`~portable_attention._block_math.BlockMath` that the adapter gives: fun
 default, in place where the framework can (torch outside autograd). Both passes walk the same
 static grid of ``size x size`` blocks and skip the blocks that ``causal``/``window`` mask
 entirely (:mod:`portable_attention._block_grid`); where a loop asks for it
-(``BlockLoop.key_span``: NumPy's), the forward takes a run of consecutive key blocks that
+(``BlockLoop.key_span``: a span budget, NumPy's), the forward takes a run of consecutive key blocks that
 need no mask in one step (:func:`~portable_attention._block_grid.merged`):
 
 - :func:`forward`: the online softmax (running max and sum) of every query block over its

@@ -982,6 +982,84 @@ def test_numpy_blockwise_buffers_are_not_the_results() -> None:
     assert not np.shares_memory(here, there[0])
 
 
+def _out_math(name: str) -> tuple[Any, Any, Any, Any]:
+    """The adapter's in-place steps for ``name`` (NumPy's or torch's ``OutMath``), with
+    converters to and from its arrays and a same-memory test."""
+    import array_api_compat
+
+    if name == "numpy":
+        from portable_attention.backends.numpy import ADAPTER
+
+        xp = array_api_compat.array_namespace(np.zeros(1))
+        return ADAPTER.block_math(xp, ()), np.asarray, np.asarray, np.shares_memory
+    import torch
+    from portable_attention.backends.torch import ADAPTER as TORCH
+
+    xp = array_api_compat.array_namespace(torch.zeros(1))
+    same = lambda a, b: a.data_ptr() == b.data_ptr()  # noqa: E731
+    return TORCH.block_math(xp, ()), torch.from_numpy, lambda t: t.numpy(), same
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=requires_backend(n)) for n in ("numpy", "torch")]
+)
+def test_in_place_steps_match_the_formulas(name: str) -> None:
+    """The in-place steps (``_block_math.OutMath``, written once for NumPy and torch) give
+    each step's float64 formula, write into their first argument where the result keeps
+    its shape and dtype, and leave it as it was where the other operand would broadcast
+    it larger or promote it (the functional form: a wider result). Bound: one or two
+    float32 roundings of values of order 1 per step (a 4-term product for matmul_add),
+    within rtol 1e-5."""
+    math, to, back, same = _out_math(name)
+    assert type(math).__name__ == "InPlaceMath"
+    rng = rng_for("out-math", name)
+
+    def block(*shape: int, dtype: Any = np.float32) -> np.ndarray:
+        return randn(rng, shape).astype(dtype)
+
+    s, row, t, a, b = block(2, 3, 4), block(2, 3, 1), block(2, 3, 4), block(2, 3, 4), block(2, 4, 4)
+    t = np.tanh(t)
+    allow = rng.random((3, 4)) < 0.5
+    wide, wider = block(2, 2, 3, 4), block(2, 3, 4, dtype=np.float64)
+    nan = s.copy()
+    nan[~np.broadcast_to(allow, s.shape)] = np.nan
+    f64 = [x.astype(np.float64) for x in (s, row, t, a, b)]
+    s64, row64, t64, a64, b64 = f64
+    cases: list[tuple[str, Any, tuple[Any, ...], dict[str, Any], Any, bool]] = [
+        ("tanh", s, (), {}, np.tanh(s64), True),
+        ("scaled", s, (0.5,), {}, 0.5 * s64, True),
+        ("exp", s, (), {}, np.exp(s64), True),
+        ("exp", s, (), {"base2": True}, 2.0**s64, True),
+        ("exp_shifted", s, (row,), {}, np.exp(s64 - row64), True),
+        ("masked", s, (allow,), {}, np.where(allow, s64, -np.inf), True),
+        ("zeroed", nan, (allow,), {}, np.where(allow, s64, 0.0), True),
+        ("add", s, (a,), {}, s64 + a64, True),
+        ("mul", s, (row,), {}, s64 * row64, True),
+        ("divided", s, (row,), {}, s64 / row64, True),
+        ("softcap_grad", s, (t,), {}, s64 * (1.0 - t64 * t64), True),
+        ("matmul_add", s, (a, b), {}, s64 + a64 @ b64, True),
+        ("mul", s, (wide,), {}, s64 * wide.astype(np.float64), False),
+        ("add", s, (wider,), {}, s64 + wider, False),
+        ("divided", s, (wider,), {}, s64 / wider, False),
+    ]
+    for step, first, args, kwargs, want, in_place in cases:
+        x = to(first.copy())
+        before = back(x).copy()
+        got = getattr(math, step)(
+            x, *(to(y.copy()) if isinstance(y, np.ndarray) else y for y in args), **kwargs
+        )
+        np.testing.assert_allclose(
+            back(got).astype(np.float64), want, rtol=1e-5, atol=1e-6, err_msg=step
+        )
+        assert same(got, x) == in_place, (step, in_place)
+        if not in_place:
+            dtype = np.result_type(first, *(y for y in args if isinstance(y, np.ndarray)))
+            assert tuple(got.shape) == want.shape and back(got).dtype == dtype, step
+            np.testing.assert_array_equal(back(x), before, err_msg=step)
+    got = math.matmul_add(None, to(a.copy()), to(b.copy()), slot="acc")
+    np.testing.assert_allclose(back(got).astype(np.float64), a64 @ b64, rtol=1e-5, atol=1e-6)
+
+
 @requires_backend("numpy")
 def test_numpy_score_mod_with_large_scores_warns_of_nothing() -> None:
     """A ``score_mod`` on NumPy's blockwise path with scores whose ``exp`` overflows:
@@ -1257,10 +1335,10 @@ def test_numpy_key_runs_match_oracle(
     budgets made small) matches the float64 oracle, Lq < Lk and neither a multiple of the
     block; the runs did form. float32 takes the base-2 exponentials (except with the bias)."""
     from portable_attention import _block_grid, _blockwise, _core
-    from portable_attention.backends import numpy_loop
+    from portable_attention.backends import numpy as numpy_backend
 
     monkeypatch.setattr(_core, "CHUNK_BUDGET", 64 * 64 * 4)
-    monkeypatch.setattr(numpy_loop, "SPAN_SCORES", 64 * 128 * 4)
+    monkeypatch.setattr(numpy_backend, "SPAN_SCORES", 64 * 128 * 4)
     made: list[list[list[Any]]] = []
     merged = _block_grid.merged
 

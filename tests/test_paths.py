@@ -14,7 +14,7 @@ import pytest
 from portable_attention import _core, attend, plan
 from portable_attention._options import options
 from portable_attention._spec import validate_call
-from portable_attention.backends import numpy_loop
+from portable_attention.backends import numpy as numpy_backend
 
 import oracle
 from conftest import BY_NAME, Backend, requires_backend
@@ -78,8 +78,6 @@ def test_numpy_plan_is_blockwise_from_64k_scores() -> None:
     """NumPy has no kernel of its own: ``auto`` runs the one blockwise kernel from 64K
     scores on (batch and heads included), the dense path below and for the weights (the
     whole score matrix)."""
-    from portable_attention.backends import numpy as numpy_backend
-
     backend = BY_NAME["numpy"]
     q, k, v = _qkv(backend, (2, 4, 5, 8), (2, 2, 7, 8))
     assert plan(q, k, v, causal=True).path == "portable:dense"
@@ -171,7 +169,7 @@ def test_numpy_threaded_kernel_matches_oracle() -> None:
     threadpoolctl = pytest.importorskip("threadpoolctl")
     rng = rng_for("threads")
     q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
-    assert numpy_loop.THREADS_MIN_SCORES <= 2 * 8 * 512 * 512  # threads, or no test
+    assert numpy_backend.THREADS_MIN_SCORES <= 2 * 8 * 512 * 512  # threads, or no test
     mask = rng.random((512, 512)) < 0.9
     mask[7] = False
     assert plan(q, k, v, mask=mask).path == "portable:blockwise"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from portable_attention import _memo, attend, plan
+from portable_attention.backends import numpy as numpy_backend
 from portable_attention.backends import numpy_loop
 from portable_attention.testing import tolerance
 
@@ -78,7 +79,7 @@ def _numpy_threaded_jobs() -> list[Job]:
     q, k, v = (randn(rng, (2, 8, 512, 16)).astype(np.float32) for _ in range(3))
     mask = rng.random((512, 512)) < 0.8
     assert plan(q, k, v).path == "portable:blockwise"
-    assert q.size // 16 * 512 >= numpy_loop.THREADS_MIN_SCORES  # threads, or no test
+    assert q.size // 16 * 512 >= numpy_backend.THREADS_MIN_SCORES  # threads, or no test
     return [
         ("numpy-big", lambda: attend(q, k, v)),
         ("numpy-big-mask-causal", lambda: attend(q, k, v, mask=mask, causal=True, return_lse=True)),
@@ -267,10 +268,10 @@ import os, threading
 import numpy as np
 import threadpoolctl
 from portable_attention import attend
-from portable_attention.backends import numpy_loop as nl
+from portable_attention.backends import numpy as nb
 
 q = np.random.default_rng(0).standard_normal((1, 8, 1024, 32), dtype=np.float32)
-assert q.shape[1] * q.shape[2] ** 2 >= nl.THREADS_MIN_SCORES  # the threaded loop
+assert q.shape[1] * q.shape[2] ** 2 >= nb.THREADS_MIN_SCORES  # the threaded loop
 with threadpoolctl.threadpool_limits(1, user_api="blas"):  # its own threads, in both
     want = attend(q, q, q)  # the parent starts the pool
     assert any(t.name.startswith("portable_attention") for t in threading.enumerate())

@@ -27,10 +27,12 @@ An :class:`Adapter` binds what the array API standard cannot express for one fra
   array-API one.
 - ``block_loop(call)``: how the blockwise path walks its blocks
   (:class:`~portable_attention._block_loop.BlockLoop`): Python loops over static
-  offsets by default; JAX's compiled loops.
+  offsets by default (NumPy's with a span budget, ``span_scores``); JAX's compiled loops.
 - ``block_math(xp, arrays)``: the elementwise steps of the blockwise path's inner loops
   (:class:`~portable_attention._block_math.BlockMath`); a framework that can update a
-  block in place (where autodiff does not record) returns a subclass that does.
+  block in place (where autodiff does not record) returns a subclass that does (an
+  :class:`~portable_attention._block_math.OutMath` where its functions take ``out=``:
+  NumPy's, torch's).
 
 Both kernels are :class:`Kernel` objects. The planner asks ``reason(call)`` (why the
 kernel cannot run the call; None: it can) and, for ``auto`` only, ``auto_reason(call)``

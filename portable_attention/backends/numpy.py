@@ -2,8 +2,9 @@
 RNG; NumPy's scalars and masked arrays refused by name). NumPy has no fused attention:
 ``auto`` runs the blockwise path from 64K scores on (the dense path below), with its steps
 in place
-(:mod:`~portable_attention.backends.numpy_math`) and its loops over long spans of keys
-and on worker threads (:mod:`~portable_attention.backends.numpy_loop`).
+(:mod:`~portable_attention.backends.numpy_math`), over long spans of keys
+(:data:`SPAN_SCORES`), its large calls' query blocks on worker threads
+(:mod:`~portable_attention.backends.numpy_loop`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from portable_attention._block_math import BlockMath
 from portable_attention._checks import shape_of, type_name
 from portable_attention.backends._base import MemoKeys
 from portable_attention.backends.generic import GenericAdapter
-from portable_attention.backends.numpy_loop import NumpyLoop
 from portable_attention.backends.numpy_math import InPlaceMath
 
 #: From this many scores on (over batch and heads), ``auto`` runs NumPy's calls on the
 #: blockwise path; below, the dense one (:meth:`NumpyAdapter.blockwise_reason`).
 BLOCKWISE_MIN_SCORES = 1 << 16
+#: Scores per step of the forward, over all batch and head dims (16 MiB of float32), where
+#: the ``causal``/``window`` band does not cut consecutive key blocks
+#: (``BlockLoop.key_span``).
+SPAN_SCORES = 1 << 22
+#: Below this many scores in all, threads cost more than they give
+#: (:mod:`~portable_attention.backends.numpy_loop`).
+THREADS_MIN_SCORES = 1 << 22
 
 
 class NumpyAdapter(GenericAdapter):
@@ -45,7 +52,11 @@ class NumpyAdapter(GenericAdapter):
         )
 
     def block_loop(self, call: _spec.Call) -> BlockLoop:
-        return NumpyLoop(call.xp, call)
+        if _core.score_count(call) < THREADS_MIN_SCORES or call.dropout:
+            return BlockLoop(call.xp, call.device, span_scores=SPAN_SCORES)
+        from portable_attention.backends.numpy_loop import NumpyLoop
+
+        return NumpyLoop(call.xp, call.device, span_scores=SPAN_SCORES)
 
     def check_array(self, name: str, x: Any) -> None:
         # NumPy scalars are not arrays (as Python scalars are not); a masked array's mask

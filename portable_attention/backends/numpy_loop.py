@@ -1,11 +1,11 @@
-"""NumPy's loops of the blockwise path (:class:`NumpyLoop`): the array-API loops, with
-each step of the forward over a long span of keys where the ``causal``/``window`` band does
-not cut it, and the forward's query blocks on worker threads where the user has put the
-BLAS on one thread.
+"""NumPy's loop of the blockwise path for large calls (:class:`NumpyLoop`): the
+array-API loops, with the forward's query blocks on worker threads where the user has put
+the BLAS on one thread. :meth:`~portable_attention.backends.numpy.NumpyAdapter.block_loop`
+imports it for calls of 4M scores and more without dropout.
 
-Threads: for calls of 4M scores and more without dropout, when ``threadpoolctl`` is
-installed and shows every BLAS library on one thread already (``OPENBLAS_NUM_THREADS=1``,
-or the caller's ``threadpoolctl.threadpool_limits(1, "blas")``), the forward's query blocks
+Threads: for those calls, when ``threadpoolctl`` is installed and shows every BLAS
+library on one thread already (``OPENBLAS_NUM_THREADS=1``, or the caller's
+``threadpoolctl.threadpool_limits(1, "blas")``), the forward's query blocks
 run on up to 4 threads (this thread and a pool, no more than the cores); NumPy releases
 the GIL in matmul and ufuncs, so the elementwise steps run in parallel too, each thread
 on its own buffers (:mod:`~portable_attention.backends.numpy_math`). Otherwise a call
@@ -19,7 +19,6 @@ thread cost more than it gave (at ``[1, 8, 512, 512]`` scores, 8.2 ms threaded a
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Sequence
@@ -27,13 +26,8 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from portable_attention import _core
 from portable_attention._block_loop import BlockLoop, Body, joined
 
-#: Scores per step of the forward, over all batch and head dims (16 MiB of float32).
-SPAN_SCORES = 1 << 22
-#: Below this many scores in all, threads cost more than they give.
-THREADS_MIN_SCORES = 1 << 22
 #: This thread and ``WORKERS - 1`` in the pool: at most 4, no more than the cores this
 #: process may run on.
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -44,20 +38,11 @@ _blas: Any = None  # threadpoolctl's BLAS controllers, False when it is not inst
 
 
 class NumpyLoop(BlockLoop):
-    """The array-API loops; each step of the forward over up to :data:`SPAN_SCORES`
-    scores where the ``causal``/``window`` band does not cut consecutive key blocks; the
-    forward's query blocks on :data:`WORKERS` threads where the module docstring says."""
-
-    def __init__(self, xp: Any, call: Any) -> None:
-        super().__init__(xp, call.device)
-        self.call = call
-
-    def key_span(self, call: Any, size: int) -> int:
-        rows = min(size, call.q_shape[-2]) * math.prod(call.q_shape[:-2])
-        return max(size, SPAN_SCORES // max(rows, 1))
+    """The array-API loops, the forward's query blocks on :data:`WORKERS` threads where
+    the module docstring says."""
 
     def each(self, body: Body, indices: Sequence[int], axes: tuple[int, ...]) -> tuple[Any, ...]:
-        if len(indices) < 2 or not _threaded(self.call):
+        if len(indices) < 2 or not _threaded():
             return super().each(body, indices, axes)
         results: dict[int, tuple[Any, ...]] = {}
         todo, lock, failed = iter(indices), threading.Lock(), threading.Event()
@@ -90,13 +75,11 @@ class NumpyLoop(BlockLoop):
         return joined(self.xp, [results[i] for i in indices], axes)
 
 
-def _threaded(call: Any) -> bool:
+def _threaded() -> bool:
     """Whether the forward's query blocks run on threads (the module docstring): not on
     a pool thread itself (a ``score_mod`` that calls ``attend``: its helpers would queue
     behind it)."""
-    if _core.score_count(call) < THREADS_MIN_SCORES or call.dropout or WORKERS < 2:
-        return False
-    if threading.current_thread().name.startswith(_PREFIX):
+    if WORKERS < 2 or threading.current_thread().name.startswith(_PREFIX):
         return False
     return blas_on_one_thread(_blas_controller())
 

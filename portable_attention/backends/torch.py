@@ -13,7 +13,7 @@ import torch
 from torch.autograd import forward_ad
 
 from portable_attention import _band, _block_grid, _blockwise, _blockwise_backward, _spec
-from portable_attention._block_math import BlockMath
+from portable_attention._block_math import BlockMath, OutMath
 from portable_attention._options import from_fields, to_fields
 from portable_attention.backends._base import Adapter, Kernel, MemoKeys
 
@@ -60,65 +60,17 @@ def _from_schema(
     return call, SeededKeep(seed, options.dropout, q.device)
 
 
-class InPlaceMath(BlockMath):
-    """The blockwise path's steps with torch's in-place operations, for where autograd
-    records nothing (the custom operators, ``autograd.Function.forward``, a backward
-    without ``create_graph``, ``attend_backward`` as :meth:`TorchAdapter.block_math`
-    decides). A step whose operand would broadcast the block to a larger shape takes the
-    functional form."""
+class InPlaceMath(OutMath):
+    """:class:`~portable_attention._block_math.OutMath` on torch's functions, for where
+    autograd records nothing (the custom operators, ``autograd.Function.forward``, a
+    backward without ``create_graph``, ``attend_backward`` as
+    :meth:`TorchAdapter.block_math` decides)."""
 
     def __init__(self, xp: Any) -> None:
-        super().__init__(xp)
-        self._buffers: dict[str, Any] = {}
+        super().__init__(xp, torch)
 
-    def tanh(self, s: Any) -> Any:
-        return s.tanh_()
-
-    def scaled(self, s: Any, factor: float) -> Any:
-        return s.mul_(factor)
-
-    def product(self, a: Any, b: Any, *, slot: str | None = None) -> Any:
-        if slot is None or a.shape[:-2] != b.shape[:-2]:
-            return torch.matmul(a, b)
-        return torch.matmul(a, b, out=self._buffer(slot, (*a.shape[:-1], b.shape[-1]), a))
-
-    def scaled_copy(self, t: Any, factor: float) -> Any:
-        return torch.mul(t, factor, out=self._buffer("scaled", t.shape, t))
-
-    def _buffer(self, slot: str, shape: tuple[int, ...], like: Any) -> Any:
-        """The slot's buffer, reused while shape and dtype stay (a pass's blocks): it stays
-        in cache (on the 2-core machine a fresh [8, 256, 256] product of scalar and block
-        took 220 us, one into the reused buffer 100 us)."""
-        buffer = self._buffers.get(slot)
-        if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype:
-            buffer = self._buffers[slot] = like.new_empty(shape)
-        return buffer
-
-    #: ``exp2_``: 40 ms where ``exp_`` took 100 for 100 [8, 256, 512] float32 blocks (one
-    #: CPU thread, copies included); a GPU's exponential is base 2 already.
-    base2 = True
-
-    def exp(self, s: Any, *, base2: bool = False) -> Any:
-        return s.exp2_() if base2 else s.exp_()
-
-    def exp_shifted(self, s: Any, shift: Any, *, base2: bool = False) -> Any:
-        s = s.sub_(shift) if _fits(s, shift) else s - shift
-        return s.exp2_() if base2 else s.exp_()
-
-    def masked(self, s: Any, allow: Any) -> Any:
-        if not _fits(s, allow):
-            return super().masked(s, allow)
-        return s.masked_fill_(allow.logical_not(), -torch.inf)
-
-    def zeroed(self, p: Any, allow: Any) -> Any:
-        if not _fits(p, allow):
-            return super().zeroed(p, allow)
-        # Not p.mul_(allow), 4x as fast: a NaN where a key is masked (a cache's unwritten
-        # slots) must give 0 there, as -inf before exp does, not NaN across its row.
-        return p.masked_fill_(allow.logical_not(), 0.0)
-
-    def add(self, acc: Any, x: Any) -> Any:
-        return acc.add_(x) if _fits(acc, x) else acc + x
+    def fill(self, x: Any, where: Any, value: float) -> Any:
+        return x.masked_fill_(where, value)
 
     def matmul_add(self, acc: Any, a: Any, b: Any, *, slot: str | None = None) -> Any:
         if acc is None:  # (no slot: torch's caching allocator keeps the memory)
@@ -132,12 +84,6 @@ class InPlaceMath(BlockMath):
             a.reshape(n, *a.shape[-2:]), b.reshape(n, *b.shape[-2:])
         )
         return acc
-
-    def mul(self, a: Any, b: Any) -> Any:
-        return a.mul_(b) if _fits(a, b) else a * b
-
-    def divided(self, a: Any, b: Any) -> Any:
-        return a.div_(b) if _fits(a, b) else a / b
 
     def softcap_grad(self, ds: Any, t: Any) -> Any:
         return ds.addcmul_(ds, t.square_(), value=-1.0)  # ds - ds * t**2
@@ -175,16 +121,6 @@ def _jvp_runs() -> bool:
     except ImportError:
         return True
     return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
-
-
-def _fits(block: Any, x: Any) -> bool:
-    """Whether ``x`` broadcasts to ``block``'s shape (an in-place step keeps it). Not
-    ``torch.broadcast_shapes``: 50 us a call, several per block."""
-    if x.shape == block.shape:
-        return True
-    return x.dim() <= block.dim() and all(
-        n in (1, m) for n, m in zip(reversed(x.shape), reversed(block.shape), strict=False)
-    )
 
 
 _HAS_CUSTOM_OP = hasattr(torch.library, "custom_op")
