@@ -180,6 +180,8 @@ class Pass:
         self.nq, self.nk = grid(call, size)
         #: A padded loop's last key block holds keys past Lk: they are masked.
         self.pad_keys = not loop.static and call.k_shape[-2] % size != 0
+        #: Whether ``causal``/``window`` keep every score (:func:`_core.band_keeps_all`).
+        self.keeps_band = _core.band_keeps_all(call)
         self.bands: dict[tuple[int, int, int], Any] = {}
 
     def rows(self, qi: Any) -> Span:
@@ -207,14 +209,16 @@ class Pass:
         where they keep all of it (on a static loop, a block inside the band). The same
         positions and rule for every loop, its offsets Python ints or traced."""
         call, xp = self.call, self.call.xp
-        if self.loop.static:
+        if self.keeps_band and not self.pad_keys:
+            return None
+        if self.loop.static:  # (which pads nothing)
             r, c = (rows[0], rows[0] + rows[1]), (cols[0], cols[0] + cols[1])
             if _core.block_is_full(call, r, c):
                 return None
         i = rows[0] + xp.reshape(xp.arange(rows[1], device=call.device), (rows[1], 1))
         j = cols[0] + xp.reshape(xp.arange(cols[1], device=call.device), (1, cols[1]))
         band = None
-        if not _core.band_keeps_all(call):
+        if not self.keeps_band:
             left, right = _core.window_sides(call)
             lq, lk = call.q_shape[-2], call.k_shape[-2]
             band = _band.keep_at(i, j, lq, lk, left=left, right=right, align=call.align)

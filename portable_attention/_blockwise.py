@@ -7,8 +7,8 @@ a :class:`~portable_attention._block_math.BlockMath` that the adapter gives: fun
 default, in place where the framework can (torch outside autograd). Both passes walk the same
 static grid of ``size x size`` blocks and skip the blocks that ``causal``/``window`` mask
 entirely (:mod:`portable_attention._block_grid`); where a loop asks for it
-(``BlockLoop.key_span``: a span budget, NumPy's), the forward takes a run of consecutive key blocks that
-need no mask in one step (:func:`~portable_attention._block_grid.merged`):
+(``BlockLoop.key_span``: a span budget, NumPy's), the forward takes a run of consecutive
+key blocks that need no mask in one step (:func:`~portable_attention._block_grid.merged`):
 
 - :func:`forward`: the online softmax (running max and sum) of every query block over its
   key blocks; returns ``(out, lse)``. Peak memory ``O(Lq * Dv + size**2)`` per head
