@@ -132,7 +132,7 @@ def lines() -> None:
         # A process each: every call cold (its imports, the package's caches empty).
         done = subprocess.run(
             [sys.executable, __file__, "lines-run", name],
-            check=True, capture_output=True, text=True,
+            check=True, stdout=subprocess.PIPE, text=True,  # (its errors shown)
         )  # fmt: skip
         seen[name] = {tuple(x) for x in json.loads(done.stdout.splitlines()[-1])}  # type: ignore[misc]
     outside = {

@@ -55,6 +55,8 @@ class BlockLoop:
         static loops only): as many whole blocks as keep the step's scores over all batch
         and head dims within ``span_scores`` (NumPy's: fewer Python steps), else
         ``size``, one block per step."""
+        if not self.span_scores:
+            return size
         rows = min(size, call.q_shape[-2]) * math.prod(call.q_shape[:-2])
         return max(size, self.span_scores // max(rows, 1))
 

@@ -209,7 +209,8 @@ class OutMath(BlockMath):
         return self.ops.divide(a, b, out=a) if self.fits(a, b) else a / b
 
     def softcap_grad(self, ds: Any, t: Any) -> Any:
-        if not self.fits(ds, t):
+        # In place into t as well: only where t is ds's shape and dtype (the block's tanh).
+        if tuple(t.shape) != tuple(ds.shape) or t.dtype != ds.dtype:
             return super().softcap_grad(ds, t)
         t = self.ops.multiply(t, t, out=t)  # ds - ds * t**2
         return self.ops.subtract(ds, self.ops.multiply(t, ds, out=t), out=ds)
