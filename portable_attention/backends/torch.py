@@ -69,7 +69,7 @@ class InPlaceMath(OutMath):
     def __init__(self, xp: Any) -> None:
         super().__init__(xp, torch)
 
-    #: ``exp2_``: 40 ms where ``exp_`` took 100 for 100 [8, 256, 512] float32 blocks (one
+    #: ``exp2``: 40 ms where ``exp`` took 100 for 100 [8, 256, 512] float32 blocks (one
     #: CPU thread, copies included); a GPU's exponential is base 2 already.
     base2 = True
 
