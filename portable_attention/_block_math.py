@@ -213,5 +213,6 @@ class OutMath(BlockMath):
         # In place into t as well: only where t is ds's shape and dtype (the block's tanh).
         if tuple(t.shape) != tuple(ds.shape) or t.dtype != ds.dtype:
             return super().softcap_grad(ds, t)
-        t = self.ops.multiply(t, t, out=t)  # ds - ds * t**2
-        return self.ops.subtract(ds, self.ops.multiply(t, ds, out=t), out=ds)
+        # ds * (1 - t**2); (a scalar first in subtract: NumPy's ufuncs; torch's own step)
+        t = self.ops.subtract(1.0, self.ops.multiply(t, t, out=t), out=t)
+        return self.ops.multiply(ds, t, out=ds)

@@ -1,9 +1,9 @@
 """NumPy: its adapter (dropout from a ``numpy.random.Generator``, the generic adapter's
 RNG; NumPy's scalars and masked arrays refused by name). NumPy has no fused attention:
 ``auto`` runs the blockwise path from 64K scores on (the dense path below), with its steps
-in place (:mod:`~portable_attention.backends.numpy_math`), each forward step over a long
-span of keys (:data:`SPAN_SCORES`), and its large calls' query blocks on worker threads
-(:mod:`~portable_attention.backends.numpy_loop`).
+in place (:mod:`~portable_attention.backends.numpy_math`), a forward step over a long span
+of key blocks where none needs a mask (:data:`SPAN_SCORES`), and its large calls' query
+blocks on worker threads (:mod:`~portable_attention.backends.numpy_loop`).
 """
 
 from __future__ import annotations
