@@ -174,15 +174,8 @@ def band_keeps_all(call: Call) -> bool:
         return True
     if call.symbolic:  # only neither option keeps every score for every length
         return call.causal is None and call.window is None
-    left, right = window_sides(call)
-    nearest, farthest = _distances(call, (0, call.q_shape[-2]), (0, call.k_shape[-2]))
-    return (left is None or nearest >= -left) and (right is None or farthest <= right)
-
-
-def _distances(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[int, int]:
-    """The smallest and largest ``j - p(i)`` over a block: key j's distance from query i's
-    aligned position (key j is kept when ``-left <= j - p(i) <= right``)."""
-    return _band.distances(rows, cols, call.band_offset)
+    grid = (0, call.q_shape[-2]), (0, call.k_shape[-2])
+    return _band.block_full(*grid, call.band_offset, *window_sides(call))
 
 
 def key_span(call: Call, rows: tuple[int, int]) -> tuple[int, int]:
@@ -220,11 +213,10 @@ def band_mask(
     cols: tuple[int, int] | None = None,
 ) -> Any:
     """The mask of ``causal`` and ``window`` on ``[Lq, Lk]`` (or a block); None where
-    they keep every score (:func:`band_keeps_all`)."""
+    they keep every score (:func:`band_keeps_all`). The blockwise path's blocks take
+    theirs from ``_block_grid.Pass.band``."""
     if band_keeps_all(call):
         return None
-    if rows is not None and cols is not None and block_is_full(call, rows, cols):
-        return None  # the block lies inside the band: only blocks on its edges need a mask
     left, right = window_sides(call)
     return _masks.band(
         call.xp,
@@ -297,13 +289,6 @@ def _unknown_lengths_band(call: Call, q: Any, k: Any) -> Any:
     return _band.keep_at(
         i, xp.matrix_transpose(j), lq, lk, left=left, right=right, align=call.align
     )
-
-
-def block_is_empty(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
-    """Whether ``causal``/``window`` mask every score of the block (a static decision)."""
-    if not call.global_band:
-        return False
-    return _band.block_empty(rows, cols, call.band_offset, *window_sides(call))
 
 
 def block_is_full(call: Call, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
